@@ -1,0 +1,7 @@
+//! tandem: Gemma 4 text models on CPU, built for speculative decoding with the assistant drafters.
+
+pub mod config;
+pub mod decode;
+pub mod kernels;
+pub mod model;
+pub mod weights;
