@@ -1,5 +1,6 @@
 //! tandem: Gemma 4 text models on CPU, built for speculative decoding with the assistant drafters.
 
+pub mod bench;
 pub mod config;
 pub mod decode;
 pub mod kernels;

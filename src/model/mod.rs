@@ -1,1 +1,8 @@
+//! Models: the Gemma 4 target (and, later, its assistant drafter) with their caches.
 
+pub mod cache;
+pub mod rope;
+pub mod target;
+
+pub use cache::KvCache;
+pub use target::{Forward, Keep, TargetModel};

@@ -1,0 +1,249 @@
+//! `tandem bench`: speed of a random-weight model at real Gemma 4 dimensions, built in memory.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+use serde::Serialize;
+use serde_json::json;
+
+use crate::config::{parse_model_config, KvMode, TextConfig};
+use crate::kernels::{self, DType};
+use crate::model::{Keep, TargetModel};
+use crate::weights::{Tensor, WeightStore};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preset {
+    E2b,
+    E4b,
+}
+
+impl Preset {
+    pub fn parse(s: &str) -> Result<Preset> {
+        match s.to_ascii_lowercase().as_str() {
+            "e2b" => Ok(Preset::E2b),
+            "e4b" => Ok(Preset::E4b),
+            other => bail!("--preset {other:?}: expected e2b or e4b"),
+        }
+    }
+
+    /// The real checkpoint's text config (spec §1.1), cut to `layers` layers. The share of KV-sharing
+    /// layers follows the real model (E2B 20/35, E4B 18/42), kept valid: a store layer of each type must
+    /// precede the shared ones.
+    pub fn config(self, layers: usize) -> Result<TextConfig> {
+        let (h, inter, kv, period, shared_num, shared_den, double) = match self {
+            Preset::E2b => (1536, 6144, 1, 5, 20, 35, true),
+            Preset::E4b => (2560, 10240, 2, 6, 18, 42, false),
+        };
+        if layers < period {
+            bail!("--layers must be at least {period} for this preset (one full-attention layer)");
+        }
+        let types: Vec<&str> =
+            (0..layers).map(|i| if (i + 1) % period == 0 { "full_attention" } else { "sliding_attention" }).collect();
+        // Largest share <= the real ratio that leaves a full layer before the first shared one.
+        let mut shared = layers * shared_num / shared_den;
+        while shared > 0 && !types[..layers - shared].contains(&"full_attention") {
+            shared -= 1;
+        }
+        let j = json!({
+            "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": h, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": kv, "head_dim": 256,
+            "global_head_dim": 512, "sliding_window": 512, "layer_types": types,
+            "num_kv_shared_layers": shared, "use_double_wide_mlp": double, "hidden_size_per_layer_input": 256,
+            "vocab_size_per_layer_input": 262144, "final_logit_softcapping": 30.0,
+            "max_position_embeddings": 131072,
+        });
+        Ok(parse_model_config(&j)?.text)
+    }
+}
+
+/// A model of `cfg` with random bf16 weights (small uniform values, norms near 1).
+pub fn random_model(cfg: &TextConfig, seed: u64) -> Result<TargetModel> {
+    let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+    let mut tensors = Vec::new();
+    let mut seed = seed;
+    let mut mat = |name: String, shape: Vec<usize>, scale: f32| {
+        seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        tensors.push(random_tensor(&name, shape, scale, 0.0, seed));
+    };
+    let norm = |name: String, n: usize, s: u64| random_tensor(&name, vec![n], 0.1, 1.0, s);
+    mat("embed_tokens.weight".into(), vec![v, h], 0.05);
+    let mut norms = vec![norm("norm.weight".into(), h, 1)];
+    if let Some(p) = cfg.ple {
+        let l = cfg.num_layers();
+        mat("embed_tokens_per_layer.weight".into(), vec![p.vocab_size, l * p.dim], 0.05);
+        mat("per_layer_model_projection.weight".into(), vec![l * p.dim, h], 0.02);
+        norms.push(norm("per_layer_projection_norm.weight".into(), p.dim, 2));
+    }
+    for (i, lc) in cfg.layers.iter().enumerate() {
+        let p = format!("layers.{i}.");
+        let (d, kv, hq, inter) = (lc.head_dim, lc.kv_heads, cfg.num_heads, lc.intermediate_size);
+        mat(format!("{p}self_attn.q_proj.weight"), vec![hq * d, h], 0.02);
+        mat(format!("{p}self_attn.o_proj.weight"), vec![h, hq * d], 0.02);
+        norms.push(norm(format!("{p}self_attn.q_norm.weight"), d, 3));
+        if lc.kv_mode != KvMode::Reuse {
+            mat(format!("{p}self_attn.k_proj.weight"), vec![kv * d, h], 0.02);
+            if !lc.k_eq_v {
+                mat(format!("{p}self_attn.v_proj.weight"), vec![kv * d, h], 0.02);
+            }
+            norms.push(norm(format!("{p}self_attn.k_norm.weight"), d, 4));
+        }
+        mat(format!("{p}mlp.gate_proj.weight"), vec![inter, h], 0.02);
+        mat(format!("{p}mlp.up_proj.weight"), vec![inter, h], 0.02);
+        mat(format!("{p}mlp.down_proj.weight"), vec![h, inter], 0.02);
+        for n in ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+            norms.push(norm(format!("{p}{n}.weight"), h, 5 + i as u64));
+        }
+        if let Some(pc) = cfg.ple {
+            mat(format!("{p}per_layer_input_gate.weight"), vec![pc.dim, h], 0.02);
+            mat(format!("{p}per_layer_projection.weight"), vec![h, pc.dim], 0.02);
+            norms.push(norm(format!("{p}post_per_layer_input_norm.weight"), h, 6));
+        }
+        if cfg.moe.is_some() {
+            bail!("random MoE models are not needed by any preset");
+        }
+    }
+    tensors.extend(norms);
+    TargetModel::from_store(cfg.clone(), &WeightStore::from_tensors(tensors))
+}
+
+/// bf16 tensor of `offset + scale·u`, `u` uniform in [-1, 1), from a fast counter-based hash.
+fn random_tensor(name: &str, shape: Vec<usize>, scale: f32, offset: f32, seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut data = vec![0u8; n * 2];
+    data.par_chunks_mut(1 << 16).enumerate().for_each(|(c, chunk)| {
+        let mut state = seed ^ (c as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+        for pair in chunk.chunks_exact_mut(2) {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            let u = (z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+            let b = half::bf16::from_f32(offset + scale * u).to_bits().to_le_bytes();
+            pair.copy_from_slice(&b);
+        }
+    });
+    Tensor::owned(name, DType::BF16, shape, data)
+}
+
+pub struct BenchOptions {
+    pub preset: Preset,
+    pub layers: usize,
+    pub prefill_tokens: usize,
+    pub decode_steps: usize,
+    pub max_rows: usize,
+    pub threads: usize,
+}
+
+#[derive(Serialize)]
+pub struct BenchReport {
+    pub preset: Preset,
+    pub layers: usize,
+    pub threads: usize,
+    pub isa: String,
+    pub weight_bytes_per_token: usize,
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+    pub decode_ms_per_token: f64,
+    pub effective_weight_gb_per_s: f64,
+    pub machine_read_gb_per_s: f64,
+    /// `(rows, ms, ratio to one row)` for a multi-row forward.
+    pub rows: Vec<(usize, f64, f64)>,
+}
+
+impl BenchReport {
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        s += &format!(
+            "model: random {:?} dims, {} layers, {:.2} GB of bf16 weights read per token; {} threads, {}\n",
+            self.preset,
+            self.layers,
+            self.weight_bytes_per_token as f64 / 1e9,
+            self.threads,
+            self.isa
+        );
+        s += &format!("prefill: {:.1} tok/s\n", self.prefill_tokens_per_s);
+        s += &format!("decode:  {:.2} tok/s ({:.1} ms/token)\n", self.decode_tokens_per_s, self.decode_ms_per_token);
+        s += &format!(
+            "weights: {:.1} GB/s effective, machine read bandwidth {:.1} GB/s ({:.0}%)\n",
+            self.effective_weight_gb_per_s,
+            self.machine_read_gb_per_s,
+            100.0 * self.effective_weight_gb_per_s / self.machine_read_gb_per_s
+        );
+        s += "rows  ms/forward  vs 1 row\n";
+        for (r, ms, ratio) in &self.rows {
+            s += &format!("{r:>4}  {ms:>10.1}  {ratio:>7.2}x\n");
+        }
+        s
+    }
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    xs[xs.len() / 2]
+}
+
+pub fn run(opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
+    if opts.max_rows == 0 || opts.max_rows > crate::model::cache::MAX_ROLLBACK {
+        bail!("--rows must be between 1 and {}", crate::model::cache::MAX_ROLLBACK);
+    }
+    if opts.prefill_tokens == 0 || opts.decode_steps == 0 {
+        bail!("--prefill and --decode must be at least 1");
+    }
+    let cfg = opts.preset.config(opts.layers)?;
+    log(&format!("building a random {:?} model with {} layers in memory...", opts.preset, opts.layers));
+    let model = random_model(&cfg, 7)?;
+    let bytes = model.bytes_per_token();
+    log("measuring the machine's read bandwidth...");
+    let machine = kernels::bandwidth::measure_read_bandwidth(1 << 30);
+
+    let prompt: Vec<u32> = (0..opts.prefill_tokens as u32).map(|i| 3 + (i * 7919) % 262_000).collect();
+    let mut cache = model.new_cache();
+    log(&format!("prefill of {} tokens...", prompt.len()));
+    let t = Instant::now();
+    crate::decode::generate::prefill(&model, &mut cache, &prompt)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+
+    log(&format!("{} decode steps...", opts.decode_steps));
+    // One warm-up step, then the timed ones.
+    model.forward(&mut cache, &[5], Keep::Last)?;
+    let t = Instant::now();
+    for i in 0..opts.decode_steps {
+        model.forward(&mut cache, &[(11 + i * 13) as u32], Keep::Last)?;
+    }
+    let step_s = t.elapsed().as_secs_f64() / opts.decode_steps as f64;
+
+    log("multi-row forwards...");
+    let mut rows = Vec::new();
+    let mut base = 0.0;
+    for r in 1..=opts.max_rows {
+        let toks: Vec<u32> = (0..r as u32).map(|i| 100 + i).collect();
+        let mut times = Vec::new();
+        for _ in 0..5 {
+            let t = Instant::now();
+            model.forward(&mut cache, &toks, Keep::All)?;
+            times.push(t.elapsed().as_secs_f64());
+            cache.rollback(r)?;
+        }
+        let ms = median(times) * 1e3;
+        if r == 1 {
+            base = ms;
+        }
+        rows.push((r, ms, ms / base));
+    }
+    Ok(BenchReport {
+        preset: opts.preset,
+        layers: opts.layers,
+        threads: opts.threads,
+        isa: format!("{:?}", kernels::isa()),
+        weight_bytes_per_token: bytes,
+        prefill_tokens_per_s: prompt.len() as f64 / prefill_s,
+        decode_tokens_per_s: 1.0 / step_s,
+        decode_ms_per_token: step_s * 1e3,
+        effective_weight_gb_per_s: bytes as f64 / step_s / 1e9,
+        machine_read_gb_per_s: machine,
+        rows,
+    })
+}

@@ -1,0 +1,145 @@
+//! Plain (non-speculative) generation: prefill, then one target step per token.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use serde::Serialize;
+
+use crate::decode::sampling::{log_softmax, top_n, Sampler, SamplingParams};
+use crate::model::{Keep, KvCache, TargetModel};
+
+/// Prompt rows per prefill forward: large enough to keep the matmuls compute-bound, small enough to keep
+/// activations in cache.
+pub const PREFILL_CHUNK: usize = 256;
+
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    pub ignore_eos: bool,
+    pub sampling: SamplingParams,
+    /// Log-probabilities of each chosen token plus the `n` most likely alternatives.
+    pub top_logprobs: Option<usize>,
+    /// Total tokens (prompt + generated) the run may reach.
+    pub context_limit: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// `max_new_tokens` or the context limit.
+    Length,
+    /// An end-of-sequence token.
+    Stop,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Stats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub finish_reason: FinishReason,
+    /// Set when generation stopped at the context limit before `max_new_tokens`.
+    pub context_limited: bool,
+    pub logprobs: Vec<TokenLogprob>,
+    pub stats: Stats,
+}
+
+/// Check a prompt against the model before any work: non-empty, ids in range, fits the context.
+pub fn validate_prompt(model: &TargetModel, prompt: &[u32], context_limit: usize) -> Result<()> {
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    if let Some(&t) = prompt.iter().find(|&&t| t as usize >= model.cfg.vocab_size) {
+        bail!("prompt token id {t} is outside the vocabulary of {} tokens", model.cfg.vocab_size);
+    }
+    if prompt.len() >= context_limit {
+        bail!(
+            "the prompt has {} tokens but the context limit is {context_limit}: nothing can be generated",
+            prompt.len()
+        );
+    }
+    Ok(())
+}
+
+/// Run the prompt through the model in chunks; returns the last row's logits and hidden state.
+pub fn prefill(model: &TargetModel, cache: &mut KvCache, prompt: &[u32]) -> Result<crate::model::Forward> {
+    let mut last = None;
+    for chunk in prompt.chunks(PREFILL_CHUNK) {
+        last = Some(model.forward(cache, chunk, Keep::Last)?);
+    }
+    last.ok_or_else(|| anyhow::anyhow!("the prompt is empty"))
+}
+
+/// Generate up to `max_new_tokens` after `prompt`; `on_token` sees each token as it is chosen.
+pub fn generate(
+    model: &TargetModel,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    mut on_token: impl FnMut(u32),
+) -> Result<Generation> {
+    validate_prompt(model, prompt, opts.context_limit)?;
+    opts.sampling.validate()?;
+    let mut sampler = Sampler::new(opts.sampling.clone());
+    let mut cache = model.new_cache();
+    let mut history = prompt.to_vec();
+    let mut out = Generation {
+        tokens: Vec::new(),
+        finish_reason: FinishReason::Length,
+        context_limited: false,
+        logprobs: Vec::new(),
+        stats: Stats { prompt_tokens: prompt.len(), ..Stats::default() },
+    };
+    if opts.max_new_tokens == 0 {
+        return Ok(out);
+    }
+
+    let t0 = Instant::now();
+    let mut fwd = prefill(model, &mut cache, prompt)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    out.stats.prefill_tokens_per_s = prompt.len() as f64 / prefill_s.max(1e-9);
+
+    let t1 = Instant::now();
+    loop {
+        let logits = fwd.logits_row(fwd.rows - 1);
+        let token = sampler.sample(logits, &history);
+        if let Some(n) = opts.top_logprobs {
+            let lp = log_softmax(logits);
+            out.logprobs.push(TokenLogprob { token, logprob: lp[token as usize], top: top_n(&lp, n) });
+        }
+        history.push(token);
+        out.tokens.push(token);
+        on_token(token);
+        if !opts.ignore_eos && model.cfg.eos_token_ids.contains(&token) {
+            out.finish_reason = FinishReason::Stop;
+            break;
+        }
+        if out.tokens.len() >= opts.max_new_tokens {
+            break;
+        }
+        if history.len() >= opts.context_limit {
+            out.context_limited = true;
+            break;
+        }
+        fwd = model.forward(&mut cache, &[token], Keep::Last)?;
+    }
+    let decode_s = t1.elapsed().as_secs_f64();
+    out.stats.generated_tokens = out.tokens.len();
+    // The first token comes from the prefill; decode speed counts the steps after it.
+    if out.tokens.len() > 1 {
+        out.stats.decode_tokens_per_s = (out.tokens.len() - 1) as f64 / decode_s.max(1e-9);
+    }
+    Ok(out)
+}

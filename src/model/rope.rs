@@ -1,0 +1,88 @@
+//! Rotary position embeddings, half-split ("NeoX") layout (spec §3.3).
+
+use crate::config::{RopeConfig, RopeKind};
+use crate::kernels::DType;
+
+/// Inverse frequencies for one layer type's head dim.
+#[derive(Clone, Debug)]
+pub struct Rope {
+    inv_freq: Vec<f32>,
+    head_dim: usize,
+}
+
+impl Rope {
+    pub fn new(cfg: &RopeConfig, head_dim: usize) -> Rope {
+        let half = head_dim / 2;
+        // Proportional RoPE rotates only the first floor(p·D/2) pairs, with exponents over the full D.
+        let rotated = match cfg.kind {
+            RopeKind::Default => half,
+            RopeKind::Proportional { partial_rotary_factor } => {
+                (((partial_rotary_factor as f64) * head_dim as f64 / 2.0).floor() as usize).min(half)
+            }
+        };
+        // f32 like the reference: 1 / (theta ^ (2j / D)), then divided by the scaling factor.
+        let inv_freq = (0..half)
+            .map(|j| {
+                if j < rotated {
+                    let exponent = (2 * j) as f32 / head_dim as f32;
+                    1.0 / cfg.theta.powf(exponent) / cfg.factor
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        Rope { inv_freq, head_dim }
+    }
+
+    /// cos and sin of every frequency at `pos`, rounded to the model dtype (length D/2 each).
+    pub fn angles(&self, pos: usize, dtype: DType, cos: &mut [f32], sin: &mut [f32]) {
+        for (j, &f) in self.inv_freq.iter().enumerate() {
+            let a = pos as f32 * f;
+            cos[j] = dtype.round((a as f64).cos() as f32);
+            sin[j] = dtype.round((a as f64).sin() as f32);
+        }
+    }
+
+    /// Rotate every head of `x` (`[heads, D]`) in place: `x·cos + rotate_half(x)·sin`, each product and
+    /// the sum rounded to the model dtype as the reference does in bf16.
+    pub fn apply(&self, x: &mut [f32], cos: &[f32], sin: &[f32], dtype: DType) {
+        let d = self.head_dim;
+        let half = d / 2;
+        for head in x.chunks_exact_mut(d) {
+            for j in 0..half {
+                let (x1, x2) = (head[j], head[j + half]);
+                let (c, s) = (cos[j], sin[j]);
+                head[j] = dtype.round(dtype.round(x1 * c) + dtype.round(-x2 * s));
+                head[j + half] = dtype.round(dtype.round(x2 * c) + dtype.round(x1 * s));
+            }
+        }
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proportional_rotates_only_the_leading_pairs() {
+        let cfg = RopeConfig { kind: RopeKind::Proportional { partial_rotary_factor: 0.25 }, theta: 1e6, factor: 1.0 };
+        let r = Rope::new(&cfg, 32);
+        assert_eq!(r.inv_freq.iter().filter(|f| **f != 0.0).count(), 4);
+        assert_eq!(r.inv_freq[0], 1.0);
+        assert!((r.inv_freq[1] - 1e6f32.powf(-2.0 / 32.0)).abs() < 1e-9);
+        let mut x: Vec<f32> = (0..32).map(|i| i as f32).collect();
+        let (mut c, mut s) = (vec![0.0; 16], vec![0.0; 16]);
+        r.angles(7, DType::F32, &mut c, &mut s);
+        let before = x.clone();
+        r.apply(&mut x, &c, &s, DType::F32);
+        for j in 4..16 {
+            assert_eq!(x[j], before[j]);
+            assert_eq!(x[j + 16], before[j + 16]);
+        }
+        assert_ne!(x[0], before[0]);
+    }
+}

@@ -1,0 +1,198 @@
+//! The command line: the JSON contract, and a clear one-line error with a non-zero exit for bad input.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::*;
+use serde_json::Value;
+
+fn tandem(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem")).args(args).output().expect("run tandem");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+/// A scratch copy of a fixture directory that a test may break.
+fn scratch_copy(name: &str) -> PathBuf {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!("tandem-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst)));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(fixture_dir(name)).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    dir
+}
+
+fn gen_args<'a>(dir: &'a Path, extra: &[&'a str]) -> Vec<String> {
+    let mut v: Vec<String> = vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "2,17,33".into()];
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+/// Run and expect failure with one line on stderr that contains `needle`.
+fn expect_error(args: &[String], needle: &str) {
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, _out, err) = tandem(&refs);
+    assert_ne!(code, 0, "{args:?} should fail");
+    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{args:?} panicked: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(lines.len() == 1, "{args:?}: expected one line, got {err:?}");
+    assert!(err.contains(needle), "{args:?}: error {err:?} should mention {needle:?}");
+}
+
+#[test]
+fn json_output_follows_the_contract() {
+    let dir = fixture_dir("t1-f32");
+    let args = gen_args(&dir, &["--max-new-tokens", "5", "--ignore-eos", "--json", "--top-logprobs", "3"]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, out, err) = tandem(&refs);
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 1, "stdout must be exactly one JSON object: {out:?}");
+    let v: Value = serde_json::from_str(lines[0]).unwrap();
+    assert_eq!(v["prompt_ids"], serde_json::json!([2, 17, 33]));
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 5);
+    assert!(v["text"].is_null());
+    assert_eq!(v["finish_reason"], "length");
+    let lp = v["logprobs"].as_array().unwrap();
+    assert_eq!(lp.len(), 5);
+    for (entry, tok) in lp.iter().zip(v["tokens"].as_array().unwrap()) {
+        assert_eq!(&entry["token"], tok);
+        let top = entry["top"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(&top[0][0], tok);
+        assert!(entry["logprob"].as_f64().unwrap() <= 0.0);
+    }
+    for key in ["prompt_tokens", "generated_tokens", "prefill_tokens_per_s", "decode_tokens_per_s"] {
+        assert!(v["stats"][key].is_number(), "stats.{key}");
+    }
+    // Without --top-logprobs there is no logprobs field.
+    let args = gen_args(&dir, &["--max-new-tokens", "2", "--json"]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (_, out, _) = tandem(&refs);
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(v.get("logprobs").is_none());
+}
+
+#[test]
+fn sampling_is_reproducible_with_a_seed() {
+    let dir = fixture_dir("t2-moe");
+    let run = |seed: &str| {
+        let args = gen_args(&dir, &["--max-new-tokens", "12", "--ignore-eos", "--json", "--temperature", "1.0", "--top-p", "0.95", "--seed", seed]);
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, out, err) = tandem(&refs);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str::<Value>(out.trim()).unwrap()["tokens"].clone()
+    };
+    assert_eq!(run("42"), run("42"));
+    assert_ne!(run("42"), run("43"));
+}
+
+#[test]
+fn eos_stops_generation_unless_ignored() {
+    // Greedy output of t1-f32 from the golden prompt; make its third token an eos id via generation_config.
+    let g = Golden::load("t1-f32");
+    let want = g.ids("greedy_tokens");
+    let dir = scratch_copy("t1-f32");
+    let eos = want[2];
+    assert!(!want[..2].contains(&eos));
+    std::fs::write(dir.join("generation_config.json"), format!("{{\"eos_token_id\": [{eos}, 255]}}")).unwrap();
+    let prompt = g.ids("greedy_prompt").iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    let base = ["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &prompt, "--max-new-tokens", "10", "--json"];
+    let (code, out, _) = tandem(&base);
+    assert_eq!(code, 0);
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["finish_reason"], "stop");
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 3);
+    let mut ignoring = base.to_vec();
+    ignoring.push("--ignore-eos");
+    let v: Value = serde_json::from_str(tandem(&ignoring).1.trim()).unwrap();
+    assert_eq!(v["finish_reason"], "length");
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 10);
+}
+
+#[test]
+fn context_limit_stops_with_a_message() {
+    let dir = fixture_dir("t1-f32");
+    let args = gen_args(&dir, &["--max-new-tokens", "50", "--ignore-eos", "--json", "--context", "10"]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, out, err) = tandem(&refs);
+    assert_eq!(code, 0);
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 7);
+    assert_eq!(v["finish_reason"], "length");
+    assert!(err.contains("context limit"), "{err}");
+}
+
+#[test]
+fn bad_arguments_fail_cleanly() {
+    let dir = fixture_dir("t1-f32");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (gen_args(Path::new("/nonexistent/model"), &[]), "does not exist"),
+        (gen_args(&dir, &["--temperature", "-1"]), "temperature"),
+        (gen_args(&dir, &["--top-p", "0"]), "top_p"),
+        (gen_args(&dir, &["--top-p", "1.5"]), "top_p"),
+        (gen_args(&dir, &["--min-p", "2"]), "min_p"),
+        (gen_args(&dir, &["--repeat-penalty", "0"]), "repeat_penalty"),
+        (gen_args(&dir, &["--context", "3"]), "context limit"),
+        (gen_args(&dir, &["--context", "100000"]), "max_position_embeddings"),
+        (vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "2,999".into()], "999"),
+        (vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "2,x".into()], "\"x\""),
+        (vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "".into()], "empty"),
+    ];
+    for (args, needle) in cases {
+        expect_error(&args, needle);
+    }
+}
+
+#[test]
+fn broken_model_directories_fail_cleanly() {
+    // Each case: (what to break, expected text in the error).
+    type Breaker = fn(&Path);
+    let cases: Vec<(Breaker, &str)> = vec![
+        (|d| std::fs::remove_file(d.join("config.json")).unwrap(), "config.json"),
+        (|d| std::fs::write(d.join("config.json"), "{\"model_type\": ").unwrap(), "malformed JSON"),
+        (|d| std::fs::write(d.join("config.json"), "{\"model_type\": \"llama\"}").unwrap(), "model_type"),
+        (|d| std::fs::remove_file(d.join("model.safetensors")).unwrap(), "no model.safetensors"),
+        (
+            |d| {
+                let p = d.join("model.safetensors");
+                let bytes = std::fs::read(&p).unwrap();
+                std::fs::write(&p, &bytes[..bytes.len() - 100]).unwrap();
+            },
+            "truncated",
+        ),
+        (|d| std::fs::write(d.join("model.safetensors"), b"garbage").unwrap(), "safetensors"),
+        (
+            |d| {
+                let p = d.join("config.json");
+                let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+                v["intermediate_size"] = 97.into();
+                std::fs::write(&p, v.to_string()).unwrap();
+            },
+            "expected [97, 64]",
+        ),
+        (
+            |d| {
+                let p = d.join("config.json");
+                let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+                v["num_hidden_layers"] = 7.into();
+                v["layer_types"].as_array_mut().unwrap().push("full_attention".into());
+                std::fs::write(&p, v.to_string()).unwrap();
+            },
+            "missing tensor `model.layers.6.",
+        ),
+        (|d| std::fs::write(d.join("generation_config.json"), "[1,2").unwrap(), "generation_config.json"),
+    ];
+    for (breaker, needle) in cases {
+        let dir = scratch_copy("t1-f32");
+        breaker(&dir);
+        expect_error(&gen_args(&dir, &[]), needle);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,66 @@
+//! Shared helpers for the integration tests: fixture paths and golden files.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use serde_json::Value;
+
+pub const FIXTURES: [&str; 6] = ["t1-f32", "t1-bf16", "t2-moe", "t3-dense", "t4-unified", "t5-e2b"];
+
+pub fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+pub struct Golden {
+    pub json: Value,
+    pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+}
+
+impl Golden {
+    pub fn load(name: &str) -> Golden {
+        let dir = fixture_dir(name);
+        let json: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).expect("golden.json")).expect("json");
+        let bytes = std::fs::read(dir.join("golden.safetensors")).expect("golden.safetensors");
+        let st = safetensors::SafeTensors::deserialize(&bytes).expect("golden safetensors");
+        let mut tensors = HashMap::new();
+        for (name, view) in st.tensors() {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32, "goldens are f32");
+            let data = view.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            tensors.insert(name, (view.shape().to_vec(), data));
+        }
+        Golden { json, tensors }
+    }
+
+    pub fn ids(&self, key: &str) -> Vec<u32> {
+        self.json[key].as_array().expect(key).iter().map(|v| v.as_u64().unwrap() as u32).collect()
+    }
+
+    pub fn floats(&self, key: &str) -> Vec<f32> {
+        self.json[key].as_array().expect(key).iter().map(|v| v.as_f64().unwrap() as f32).collect()
+    }
+
+    pub fn tensor(&self, key: &str) -> &(Vec<usize>, Vec<f32>) {
+        self.tensors.get(key).unwrap_or_else(|| panic!("golden tensor {key}"))
+    }
+
+    pub fn dtype(&self) -> &str {
+        self.json["dtype"].as_str().unwrap()
+    }
+
+    pub fn is_f32(&self) -> bool {
+        self.dtype() == "float32"
+    }
+}
+
+/// Largest absolute difference.
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+pub fn mean_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32
+}

@@ -1,0 +1,174 @@
+//! The forward pass against transformers 5.23.0 goldens (tests/fixtures), and its own consistency:
+//! incremental == full, multi-row == one row at a time, rollback == never having gone forward.
+
+mod common;
+
+use common::*;
+use tandem::config::LayerType;
+use tandem::decode::generate::{generate, GenerateOptions};
+use tandem::decode::sampling::SamplingParams;
+use tandem::model::{Keep, TargetModel};
+
+/// Tolerances against the reference: f32 models agree to float noise; bf16 models round at every cast
+/// point, and a different accumulation order flips some roundings, which then propagate.
+fn tolerance(g: &Golden) -> (f32, f32) {
+    if g.is_f32() {
+        (2e-4, 2e-5) // (max abs, mean abs)
+    } else {
+        (0.5, 0.02)
+    }
+}
+
+fn load(name: &str) -> (TargetModel, Golden) {
+    (TargetModel::load(&fixture_dir(name)).expect("fixture loads"), Golden::load(name))
+}
+
+#[test]
+fn full_prompt_logits_hidden_and_store_kv_match_transformers() {
+    for name in FIXTURES {
+        let (model, g) = load(name);
+        let prompt = g.ids("prompt");
+        let mut cache = model.new_cache();
+        let out = model.forward(&mut cache, &prompt, Keep::All).unwrap();
+        let (max_tol, mean_tol) = tolerance(&g);
+        let (_, logits) = g.tensor("logits");
+        let (_, hidden) = g.tensor("hidden");
+        let (ml, mh) = (max_diff(&out.logits, logits), max_diff(&out.hidden, hidden));
+        let (al, ah) = (mean_diff(&out.logits, logits), mean_diff(&out.hidden, hidden));
+        println!("{name}: logits max {ml:.2e} mean {al:.2e}; hidden max {mh:.2e} mean {ah:.2e}");
+        assert!(ml <= max_tol && al <= mean_tol, "{name}: logits differ: max {ml}, mean {al}");
+        assert!(mh <= max_tol * 4.0 && ah <= mean_tol * 4.0, "{name}: hidden differs: max {mh}, mean {ah}");
+        for (kind, key) in [(LayerType::Sliding, "kv_sliding"), (LayerType::Full, "kv_full")] {
+            let kv = cache.store_kv(&model.cfg, kind).expect("store layer");
+            for (part, ours) in [("k", &kv.k), ("v", &kv.v)] {
+                let (shape, want) = g.tensor(&format!("{key}_{part}"));
+                let (heads, t, d) = (shape[0], shape[1], shape[2]);
+                assert_eq!((heads, d), (kv.kv_heads, kv.head_dim), "{name} {key}_{part} geometry");
+                assert_eq!(t, prompt.len());
+                // Golden is [head, t, d]; the cache is [t, head, d].
+                let mut got = vec![0f32; want.len()];
+                for ti in 0..t {
+                    for hi in 0..heads {
+                        let src = &ours[(ti * heads + hi) * d..(ti * heads + hi + 1) * d];
+                        got[(hi * t + ti) * d..(hi * t + ti + 1) * d].copy_from_slice(src);
+                    }
+                }
+                let m = max_diff(&got, want);
+                assert!(m <= max_tol, "{name}: {key}_{part} differs by {m}");
+            }
+        }
+    }
+}
+
+#[test]
+fn incremental_decoding_matches_the_full_forward() {
+    for name in FIXTURES {
+        let (model, g) = load(name);
+        let prompt = g.ids("prompt");
+        let (max_tol, _) = tolerance(&g);
+        let (_, want) = g.tensor("logits");
+        let v = model.cfg.vocab_size;
+        let mut cache = model.new_cache();
+        // Prefill 10, then single steps to 15, then a 5-row chunk that crosses the sliding window.
+        let mut got = Vec::new();
+        let first = model.forward(&mut cache, &prompt[..10], Keep::All).unwrap();
+        got.extend_from_slice(&first.logits);
+        for i in 10..15 {
+            got.extend_from_slice(&model.forward(&mut cache, &prompt[i..i + 1], Keep::Last).unwrap().logits);
+        }
+        got.extend_from_slice(&model.forward(&mut cache, &prompt[15..20], Keep::All).unwrap().logits);
+        assert_eq!(got.len(), 20 * v);
+        let m = max_diff(&got, want);
+        assert!(m <= max_tol, "{name}: incremental logits differ from the full forward by {m}");
+    }
+}
+
+#[test]
+fn multi_row_forward_equals_one_row_steps_bit_for_bit() {
+    for name in FIXTURES {
+        let (model, g) = load(name);
+        let prompt = g.ids("prompt");
+        for rows in [1usize, 2, 5, 8] {
+            let prefix = &prompt[..20 - rows];
+            let tail = &prompt[20 - rows..];
+            let mut a = model.new_cache();
+            model.forward(&mut a, prefix, Keep::Last).unwrap();
+            let multi = model.forward(&mut a, tail, Keep::All).unwrap();
+            let mut b = model.new_cache();
+            model.forward(&mut b, prefix, Keep::Last).unwrap();
+            for (i, &t) in tail.iter().enumerate() {
+                let one = model.forward(&mut b, &[t], Keep::Last).unwrap();
+                assert_eq!(one.logits, multi.logits_row(i), "{name}: rows={rows} row {i} logits");
+                assert_eq!(one.hidden, multi.hidden_row(i), "{name}: rows={rows} row {i} hidden");
+            }
+        }
+    }
+}
+
+#[test]
+fn rollback_then_forward_equals_never_having_gone_forward() {
+    for name in FIXTURES {
+        let (model, g) = load(name);
+        let prompt = g.ids("prompt");
+        let mut a = model.new_cache();
+        model.forward(&mut a, &prompt[..14], Keep::Last).unwrap();
+        // Rejected "drafts", then the real continuation.
+        model.forward(&mut a, &[7, 9, 11, 13, 15], Keep::All).unwrap();
+        a.rollback(5).unwrap();
+        assert_eq!(a.len(), 14);
+        let after = model.forward(&mut a, &prompt[14..], Keep::All).unwrap();
+        let mut b = model.new_cache();
+        model.forward(&mut b, &prompt[..14], Keep::Last).unwrap();
+        let direct = model.forward(&mut b, &prompt[14..], Keep::All).unwrap();
+        assert_eq!(after.logits, direct.logits, "{name}: logits after rollback");
+        assert_eq!(after.hidden, direct.hidden, "{name}: hidden after rollback");
+    }
+}
+
+#[test]
+fn long_decode_past_many_windows_with_rollbacks_stays_consistent() {
+    // 150 positions (the window is 8): sliding caches trim and roll back many times.
+    let model = TargetModel::load(&fixture_dir("t1-f32")).unwrap();
+    let seq: Vec<u32> = (0..150u32).map(|i| 3 + (i * 37) % 250).collect();
+    let mut full = model.new_cache();
+    let reference = model.forward(&mut full, &seq, Keep::All).unwrap();
+    let mut c = model.new_cache();
+    let mut pos = 0;
+    while pos < seq.len() {
+        let n = (pos % 5 + 1).min(seq.len() - pos);
+        model.forward(&mut c, &[4, 5, 6], Keep::All).unwrap();
+        c.rollback(3).unwrap();
+        let out = model.forward(&mut c, &seq[pos..pos + n], Keep::All).unwrap();
+        for i in 0..n {
+            let m = max_diff(out.logits_row(i), reference.logits_row(pos + i));
+            assert!(m < 1e-4, "position {}: {m}", pos + i);
+        }
+        pos += n;
+    }
+}
+
+#[test]
+fn greedy_generation_matches_transformers() {
+    for name in FIXTURES {
+        let (model, g) = load(name);
+        let prompt = g.ids("greedy_prompt");
+        let want = g.ids("greedy_tokens");
+        let margins = g.floats("greedy_margins");
+        let opts = GenerateOptions {
+            max_new_tokens: want.len(),
+            ignore_eos: true,
+            sampling: SamplingParams::default(),
+            top_logprobs: None,
+            context_limit: 512,
+        };
+        let got = generate(&model, &prompt, &opts, |_| {}).unwrap().tokens;
+        // Compare until the reference's own top-2 margin is a near-tie that rounding may flip.
+        let near_tie = if g.is_f32() { 1e-3 } else { 0.3 };
+        let checked = margins.iter().position(|m| *m < near_tie).unwrap_or(want.len());
+        println!("{name}: {checked} greedy steps compared");
+        assert_eq!(&got[..checked], &want[..checked], "{name}: greedy tokens differ");
+        if g.is_f32() {
+            assert!(checked >= 24, "{name}: only {checked} steps before a near-tie");
+        }
+    }
+}
