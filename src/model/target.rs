@@ -440,7 +440,7 @@ impl TargetModel {
     }
 
     /// The MoE branch on the pre-FFN residual `r` (spec §3.5): route, run each chosen expert over the rows
-    /// that chose it (weights read once per expert), accumulate in increasing expert order.
+    /// that chose it (weights read once per expert).
     fn experts(&self, moe: &Moe, mc: crate::config::MoeConfig, r: &[f32], rows: usize) -> Vec<f32> {
         let (h_dim, dt, eps) = (self.cfg.hidden_size, self.dtype, self.cfg.rms_norm_eps);
         let (e_count, ie) = (mc.num_experts, mc.intermediate_size);
@@ -456,20 +456,22 @@ impl TargetModel {
         let mut scores = vec![0f32; rows * e_count];
         kernels::matmul(&z, rows, moe.router.mat(), &mut scores);
         dt.round_slice(&mut scores);
-        // chosen[e] = list of (row, weight).
-        let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e_count];
+        // chosen[e] = (row, rank among the row's top-k, weight) for each row that routes to expert e.
+        let k = mc.top_k;
+        let mut chosen: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); e_count];
         for (row, s) in scores.chunks_exact_mut(e_count).enumerate() {
             kernels::softmax(s);
             let mut idx: Vec<usize> = (0..e_count).collect();
             idx.sort_by(|&a, &b| s[b].partial_cmp(&s[a]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b)));
-            let top = &idx[..mc.top_k];
-            let sum: f32 = top.iter().map(|&e| s[e]).sum();
-            for &e in top {
-                chosen[e].push((row, s[e] / sum * moe.per_expert_scale[e]));
+            let sum: f32 = idx[..k].iter().map(|&e| s[e]).sum();
+            for (rank, &e) in idx[..k].iter().enumerate() {
+                chosen[e].push((row, rank, s[e] / sum * moe.per_expert_scale[e]));
             }
         }
         let xe = norm_rows(r, rows, &moe.pre_norm_2, eps, dt);
-        let mut out = vec![0f32; rows * h_dim];
+        // Weighted expert outputs in f32, `[rows, k, H]`, summed in rank order and rounded once at the end,
+        // as transformers' default ("grouped_mm") experts path does.
+        let mut parts = vec![0f32; rows * k * h_dim];
         let gu_all = moe.gate_up.mat();
         let dn_all = moe.down.mat();
         for (e, users) in chosen.iter().enumerate() {
@@ -478,7 +480,7 @@ impl TargetModel {
             }
             let m = users.len();
             let mut xin = Vec::with_capacity(m * h_dim);
-            for &(row, _) in users {
+            for &(row, _, _) in users {
                 xin.extend_from_slice(&xe[row * h_dim..(row + 1) * h_dim]);
             }
             let mut gu = vec![0f32; m * 2 * ie];
@@ -495,12 +497,22 @@ impl TargetModel {
             let mut y = vec![0f32; m * h_dim];
             kernels::matmul(&act, m, dn_all.slice_rows(e * h_dim, h_dim), &mut y);
             dt.round_slice(&mut y);
-            for (yr, &(row, w)) in y.chunks_exact(h_dim).zip(users) {
-                for (o, v) in out[row * h_dim..(row + 1) * h_dim].iter_mut().zip(yr) {
-                    *o = dt.round(*o + dt.round(v * w));
+            for (yr, &(row, rank, w)) in y.chunks_exact(h_dim).zip(users) {
+                let at = (row * k + rank) * h_dim;
+                for (o, v) in parts[at..at + h_dim].iter_mut().zip(yr) {
+                    *o = v * w;
                 }
             }
         }
+        let mut out = vec![0f32; rows * h_dim];
+        for (o, p) in out.chunks_exact_mut(h_dim).zip(parts.chunks_exact(k * h_dim)) {
+            for part in p.chunks_exact(h_dim) {
+                for (a, b) in o.iter_mut().zip(part) {
+                    *a += b;
+                }
+            }
+        }
+        dt.round_slice(&mut out);
         out
     }
 
