@@ -9,13 +9,24 @@ use tandem::decode::generate::{generate, GenerateOptions};
 use tandem::decode::sampling::SamplingParams;
 use tandem::model::{Keep, TargetModel};
 
-/// Tolerances against the reference: f32 models agree to float noise; bf16 models round at every cast
-/// point, and a different accumulation order flips some roundings, which then propagate.
+/// Tolerances against the reference (max abs, mean abs). f32 models agree to float noise. bf16 models round
+/// at every cast point exactly where transformers does and agree bit for bit on these fixtures; the small
+/// allowance covers a different accumulation order flipping a rounding. f16 agrees less closely (torch's
+/// CPU half-precision paths differ in ways we do not mirror; no official checkpoint is f16).
 fn tolerance(g: &Golden) -> (f32, f32) {
-    if g.is_f32() {
-        (2e-4, 2e-5) // (max abs, mean abs)
-    } else {
-        (0.5, 0.02)
+    match g.dtype() {
+        "float32" => (2e-4, 2e-5),
+        "bfloat16" => (0.07, 2e-3),
+        _ => (0.05, 5e-3),
+    }
+}
+
+/// Below this top-2 margin of the reference's logits, greedy may legitimately pick the other token.
+fn near_tie(g: &Golden) -> f32 {
+    match g.dtype() {
+        "float32" => 1e-3,
+        "bfloat16" => 1e-2,
+        _ => 0.05,
     }
 }
 
@@ -163,12 +174,9 @@ fn greedy_generation_matches_transformers() {
         };
         let got = generate(&model, &prompt, &opts, |_| {}).unwrap().tokens;
         // Compare until the reference's own top-2 margin is a near-tie that rounding may flip.
-        let near_tie = if g.is_f32() { 1e-3 } else { 0.3 };
-        let checked = margins.iter().position(|m| *m < near_tie).unwrap_or(want.len());
+        let checked = margins.iter().position(|m| *m < near_tie(&g)).unwrap_or(want.len());
         println!("{name}: {checked} greedy steps compared");
         assert_eq!(&got[..checked], &want[..checked], "{name}: greedy tokens differ");
-        if g.is_f32() {
-            assert!(checked >= 24, "{name}: only {checked} steps before a near-tie");
-        }
+        assert!(checked >= 24, "{name}: only {checked} steps before a near-tie");
     }
 }
