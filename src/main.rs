@@ -42,17 +42,17 @@ struct GenerateArgs {
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
     /// 0 means greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// 0 disables top-k.
     #[arg(long, default_value_t = 0)]
     top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     min_p: f32,
     /// 1.0 disables the penalty.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     repeat_penalty: f32,
     #[arg(long, default_value_t = 0)]
     seed: u64,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
 use safetensors::tensor::Dtype as StDtype;
-use safetensors::SafeTensors;
+use safetensors::{SafeTensorError, SafeTensors};
 use serde_json::Value;
 
 use crate::kernels::{DType, MatRef};
@@ -228,8 +228,12 @@ fn load_file(path: &Path, out: &mut HashMap<String, Tensor>) -> Result<()> {
     // SAFETY: the file is mapped read-only; tandem never writes it, and a model directory being
     // rewritten while it runs is outside what any loader can defend against.
     let mmap = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
-    let (header_len, meta) = SafeTensors::read_metadata(&mmap[..])
-        .map_err(|e| anyhow!("{}: not a valid safetensors file ({e})", path.display()))?;
+    let (header_len, meta) = SafeTensors::read_metadata(&mmap[..]).map_err(|e| match e {
+        SafeTensorError::MetadataIncompleteBuffer => {
+            anyhow!("{}: truncated: the header promises more data than the file holds", path.display())
+        }
+        e => anyhow!("{}: not a valid safetensors file ({e})", path.display()),
+    })?;
     let data_start = 8 + header_len;
     let file_len = mmap.len();
     let buf = Arc::new(Buffer::Mapped(mmap));
