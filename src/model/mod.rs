@@ -1,6 +1,7 @@
 //! Models: the Gemma 4 target (and, later, its assistant drafter) with their caches.
 
 pub mod cache;
+pub mod ops;
 pub mod rope;
 pub mod target;
 

@@ -11,7 +11,8 @@ use rayon::prelude::*;
 
 use crate::config::{load_model_config, KvMode, LayerType, TextConfig};
 use crate::kernels::{self, DType};
-use crate::model::cache::{KvCache, LayerKv};
+use crate::model::cache::KvCache;
+use crate::model::ops::{add_normed, attend, gelu_mlp, norm_heads, norm_rows};
 use crate::model::rope::Rope;
 use crate::weights::{Tensor, WeightStore};
 
@@ -412,9 +413,11 @@ impl TargetModel {
         }
 
         let kv = cache.layer(lc.kv_source);
-        let window = (lc.kind == LayerType::Sliding).then_some(cfg.sliding_window);
+        // Causal; sliding layers see W keys including their own position (spec §3.6).
+        let window = if lc.kind == LayerType::Sliding { cfg.sliding_window } else { usize::MAX };
+        let keys = |r: usize| (pos + r + 1).saturating_sub(window)..pos + r + 1;
         let mut o = vec![0f32; rows * hq * d];
-        attend(&q, kv, rows, hq, pos, window, dt, &mut o);
+        attend(&q, kv, rows, hq, keys, dt, &mut o);
 
         let mut out = vec![0f32; rows * h_dim];
         kernels::matmul(&o, rows, layer.attn.o.mat(), &mut out);
@@ -533,90 +536,5 @@ impl TargetModel {
         kernels::matmul(&g, rows, lp.proj.mat(), &mut out);
         dt.round_slice(&mut out);
         add_normed(h, &out, &lp.post_norm, self.cfg.rms_norm_eps, dt);
-    }
-}
-
-/// RMSNorm of each row, rounded to the model dtype.
-fn norm_rows(x: &[f32], rows: usize, w: &[f32], eps: f32, dt: DType) -> Vec<f32> {
-    let width = x.len() / rows;
-    let mut out = vec![0f32; x.len()];
-    for (o, r) in out.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
-        kernels::rms_norm(r, Some(w), eps, o);
-    }
-    dt.round_slice(&mut out);
-    out
-}
-
-/// RMSNorm over each head of `x` (`[.., d]`) in place (`w = None` is v_norm).
-fn norm_heads(x: &mut [f32], d: usize, w: Option<&[f32]>, eps: f32, dt: DType) {
-    let mut tmp = vec![0f32; d];
-    for head in x.chunks_exact_mut(d) {
-        kernels::rms_norm(head, w, eps, &mut tmp);
-        for (a, b) in head.iter_mut().zip(&tmp) {
-            *a = dt.round(*b);
-        }
-    }
-}
-
-/// `h = h + round(rms(y; w))`, rounded.
-fn add_normed(h: &mut [f32], y: &[f32], w: &[f32], eps: f32, dt: DType) {
-    let width = w.len();
-    let mut tmp = vec![0f32; width];
-    for (hr, yr) in h.chunks_exact_mut(width).zip(y.chunks_exact(width)) {
-        kernels::rms_norm(yr, Some(w), eps, &mut tmp);
-        for (a, b) in hr.iter_mut().zip(&tmp) {
-            *a = dt.round(*a + dt.round(*b));
-        }
-    }
-}
-
-/// `down(gelu(gate(x)) ⊙ up(x))` with the reference's roundings.
-fn gelu_mlp(x: &[f32], rows: usize, gate: kernels::MatRef, up: kernels::MatRef, down: kernels::MatRef, dt: DType) -> Vec<f32> {
-    let inter = gate.rows;
-    let mut g = vec![0f32; rows * inter];
-    let mut u = vec![0f32; rows * inter];
-    kernels::matmul(x, rows, gate, &mut g);
-    kernels::matmul(x, rows, up, &mut u);
-    dt.round_slice(&mut g);
-    dt.round_slice(&mut u);
-    kernels::gelu_tanh(&mut g);
-    for (a, b) in g.iter_mut().zip(&u) {
-        *a = dt.round(dt.round(*a) * b);
-    }
-    let mut out = vec![0f32; rows * down.rows];
-    kernels::matmul(&g, rows, down, &mut out);
-    dt.round_slice(&mut out);
-    out
-}
-
-/// Causal (and, with `window`, sliding) attention of `rows` query rows at positions `pos..` over a layer's
-/// cache, scale 1.0 (spec §3.4, §3.6): scores and probabilities rounded like the reference's eager path.
-#[allow(clippy::too_many_arguments)]
-fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, pos: usize, window: Option<usize>, dt: DType, out: &mut [f32]) {
-    let d = kv.head_dim;
-    let group = hq / kv.kv_heads;
-    let work = |(idx, o): (usize, &mut [f32])| {
-        let (r, head) = (idx / hq, idx % hq);
-        let qp = pos + r;
-        let lo = match window {
-            Some(w) => (qp + 1).saturating_sub(w),
-            None => 0,
-        };
-        debug_assert!(lo >= kv.start && qp < kv.end(), "cache lacks positions {lo}..={qp}");
-        let qv = &q[idx * d..(idx + 1) * d];
-        let g = head / group;
-        let mut s: Vec<f32> = (lo..=qp).map(|t| dt.round(kernels::dot(qv, kv.key(t, g)))).collect();
-        kernels::softmax(&mut s);
-        o.iter_mut().for_each(|x| *x = 0.0);
-        for (t, p) in (lo..=qp).zip(&s) {
-            kernels::axpy(dt.round(*p), kv.value(t, g), o);
-        }
-        dt.round_slice(o);
-    };
-    let keys = (pos + rows).min(window.unwrap_or(usize::MAX));
-    if rows * hq * keys * d > 1 << 16 {
-        out.par_chunks_mut(d).enumerate().for_each(work);
-    } else {
-        out.chunks_mut(d).enumerate().for_each(work);
     }
 }

@@ -1,0 +1,89 @@
+//! Building blocks shared by the target and the drafter, with the reference's rounding points.
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use crate::kernels::{self, DType, MatRef};
+use crate::model::cache::LayerKv;
+
+/// RMSNorm of each row, rounded to the model dtype.
+pub fn norm_rows(x: &[f32], rows: usize, w: &[f32], eps: f32, dt: DType) -> Vec<f32> {
+    let width = x.len() / rows;
+    let mut out = vec![0f32; x.len()];
+    for (o, r) in out.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
+        kernels::rms_norm(r, Some(w), eps, o);
+    }
+    dt.round_slice(&mut out);
+    out
+}
+
+/// RMSNorm over each head of `x` (`[.., d]`) in place (`w = None` is v_norm).
+pub fn norm_heads(x: &mut [f32], d: usize, w: Option<&[f32]>, eps: f32, dt: DType) {
+    let mut tmp = vec![0f32; d];
+    for head in x.chunks_exact_mut(d) {
+        kernels::rms_norm(head, w, eps, &mut tmp);
+        for (a, b) in head.iter_mut().zip(&tmp) {
+            *a = dt.round(*b);
+        }
+    }
+}
+
+/// `h = h + round(rms(y; w))`, rounded.
+pub fn add_normed(h: &mut [f32], y: &[f32], w: &[f32], eps: f32, dt: DType) {
+    let width = w.len();
+    let mut tmp = vec![0f32; width];
+    for (hr, yr) in h.chunks_exact_mut(width).zip(y.chunks_exact(width)) {
+        kernels::rms_norm(yr, Some(w), eps, &mut tmp);
+        for (a, b) in hr.iter_mut().zip(&tmp) {
+            *a = dt.round(*a + dt.round(*b));
+        }
+    }
+}
+
+/// `down(gelu(gate(x)) ⊙ up(x))` with the reference's roundings.
+pub fn gelu_mlp(x: &[f32], rows: usize, gate: MatRef, up: MatRef, down: MatRef, dt: DType) -> Vec<f32> {
+    let inter = gate.rows;
+    let mut g = vec![0f32; rows * inter];
+    let mut u = vec![0f32; rows * inter];
+    kernels::matmul(x, rows, gate, &mut g);
+    kernels::matmul(x, rows, up, &mut u);
+    dt.round_slice(&mut g);
+    dt.round_slice(&mut u);
+    kernels::gelu_tanh(&mut g);
+    for (a, b) in g.iter_mut().zip(&u) {
+        *a = dt.round(dt.round(*a) * b);
+    }
+    let mut out = vec![0f32; rows * down.rows];
+    kernels::matmul(&g, rows, down, &mut out);
+    dt.round_slice(&mut out);
+    out
+}
+
+/// Attention of `rows` query rows (`q`: `[rows, hq, D]`) over a layer's K/V, scale 1.0 (spec §3.4): row `r`
+/// sees the absolute key positions `keys(r)`. Scores and probabilities are rounded like the reference's
+/// eager path (bf16 matmul outputs, f32 softmax cast back).
+pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usize) -> Range<usize> + Sync, dt: DType, out: &mut [f32]) {
+    let d = kv.head_dim;
+    let group = hq / kv.kv_heads;
+    let work = |(idx, o): (usize, &mut [f32])| {
+        let (r, head) = (idx / hq, idx % hq);
+        let range = keys(r);
+        debug_assert!(range.start >= kv.start && range.end <= kv.end(), "cache lacks positions {range:?}");
+        let qv = &q[idx * d..(idx + 1) * d];
+        let g = head / group;
+        let mut s: Vec<f32> = range.clone().map(|t| dt.round(kernels::dot(qv, kv.key(t, g)))).collect();
+        kernels::softmax(&mut s);
+        o.iter_mut().for_each(|x| *x = 0.0);
+        for (t, p) in range.zip(&s) {
+            kernels::axpy(dt.round(*p), kv.value(t, g), o);
+        }
+        dt.round_slice(o);
+    };
+    let work_size = rows * hq * keys(rows.saturating_sub(1)).len() * d;
+    if work_size > 1 << 16 {
+        out.par_chunks_mut(d).enumerate().for_each(work);
+    } else {
+        out.chunks_mut(d).enumerate().for_each(work);
+    }
+}
