@@ -699,3 +699,148 @@ mod tests {
         assert!(apply_generation_config(&mut t, &json!({"eos_token_id":[1000]})).is_err());
     }
 }
+
+/// The drafter's output head (spec §5.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftHead {
+    /// `logits = hd · E_dᵀ` over the whole vocabulary.
+    Tied,
+    /// Score only the tokens of the `top_k` best of `num_centroids` clusters (`use_ordered_embeddings`).
+    Centroid { num_centroids: usize, top_k: usize },
+}
+
+/// A `gemma4_assistant` / `gemma4_unified_assistant` drafter config (spec §2.2).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AssistantConfig {
+    pub model_type: String,
+    /// The drafter's own transformer (Q-only layers; `kv_mode` is meaningless here).
+    pub text: TextConfig,
+    /// Hb: the target's hidden size, which the drafter consumes and produces.
+    pub backbone_hidden_size: usize,
+    pub head: DraftHead,
+    /// `num_assistant_tokens` from the drafter's `generation_config.json`, when present.
+    pub num_assistant_tokens: Option<usize>,
+}
+
+pub fn load_assistant_config(dir: &Path) -> Result<AssistantConfig> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let json: Value =
+        serde_json::from_str(&text).map_err(|e| anyhow!("{}: malformed JSON: {e}", path.display()))?;
+    let mut cfg = parse_assistant_config(&json).with_context(|| format!("{}", path.display()))?;
+    let gen_path = dir.join("generation_config.json");
+    if gen_path.exists() {
+        let text =
+            std::fs::read_to_string(&gen_path).with_context(|| format!("cannot read {}", gen_path.display()))?;
+        let json: Value =
+            serde_json::from_str(&text).map_err(|e| anyhow!("{}: malformed JSON: {e}", gen_path.display()))?;
+        let obj = json.as_object().ok_or_else(|| anyhow!("{}: expected a JSON object", gen_path.display()))?;
+        let f = Fields { obj, ctx: "" };
+        cfg.num_assistant_tokens = match obj.get("num_assistant_tokens") {
+            None | Some(Value::Null) => None,
+            Some(_) => Some(f.positive("num_assistant_tokens", 1).with_context(|| format!("{}", gen_path.display()))?),
+        };
+    }
+    Ok(cfg)
+}
+
+pub fn parse_assistant_config(json: &Value) -> Result<AssistantConfig> {
+    let obj = json.as_object().ok_or_else(|| anyhow!("expected a JSON object at the top level"))?;
+    let model_type = obj.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let (inner_default, hb_default) = match model_type {
+        "gemma4_assistant" => ("gemma4_text", 1536),
+        "gemma4_unified_assistant" => ("gemma4_unified_text", 3840),
+        "gemma4" | "gemma4_unified" | "gemma4_text" | "gemma4_unified_text" => {
+            bail!("field `model_type` is {model_type:?}: this is a target model, not an assistant drafter")
+        }
+        other => bail!("field `model_type` is {other:?}; expected \"gemma4_assistant\" or \"gemma4_unified_assistant\""),
+    };
+    let text = obj
+        .get("text_config")
+        .and_then(Value::as_object)
+        .ok_or_else(|| anyhow!("field `text_config` is missing or not an object"))?;
+    let inner = text.get("model_type").and_then(Value::as_str).unwrap_or(inner_default);
+    if inner != inner_default {
+        bail!("field `text_config.model_type` is {inner:?}, expected {inner_default:?} inside {model_type:?}");
+    }
+    let tf = Fields { obj: text, ctx: "text_config." };
+    let layers = tf.positive("num_hidden_layers", 30)?;
+    // Every drafter layer reads the target's K/V: sharing must be unset, 0 (meaning all) or all layers.
+    let shared = tf.usize_or("num_kv_shared_layers", 0)?;
+    if shared != 0 && shared != layers {
+        bail!("field `text_config.num_kv_shared_layers` is {shared}; a drafter shares all {layers} layers");
+    }
+    if inner == "gemma4_text" {
+        for name in ["hidden_size_per_layer_input", "vocab_size_per_layer_input"] {
+            if tf.usize_or(name, 1)? != 0 {
+                bail!("field `text_config.{name}` must be 0 in a drafter (no per-layer embeddings)");
+            }
+        }
+        if tf.boolean("enable_moe_block", false)? || tf.boolean("use_double_wide_mlp", false)? {
+            bail!("a drafter's text_config cannot enable MoE or the double-wide MLP");
+        }
+    }
+    // Parse the geometry as an unshared model; the drafter has no K/V of its own.
+    let mut unshared = text.clone();
+    unshared.insert("num_kv_shared_layers".into(), Value::from(0));
+    let text_cfg = parse_text_config(&unshared, inner, "text_config.")?;
+
+    let f = Fields { obj, ctx: "" };
+    let backbone_hidden_size = f.positive("backbone_hidden_size", hb_default)?;
+    if !f.boolean("tie_word_embeddings", true)? {
+        bail!("field `tie_word_embeddings` is false; every Gemma 4 drafter ties its head to model.embed_tokens");
+    }
+    let head = if f.boolean("use_ordered_embeddings", false)? {
+        let num_centroids = f.positive("num_centroids", 2048)?;
+        let top_k = f.positive("centroid_intermediate_top_k", 32)?;
+        if text_cfg.vocab_size % num_centroids != 0 {
+            bail!("field `num_centroids` ({num_centroids}) does not divide the vocabulary ({})", text_cfg.vocab_size);
+        }
+        if top_k > num_centroids {
+            bail!("field `centroid_intermediate_top_k` ({top_k}) exceeds `num_centroids` ({num_centroids})");
+        }
+        DraftHead::Centroid { num_centroids, top_k }
+    } else {
+        DraftHead::Tied
+    };
+    Ok(AssistantConfig {
+        model_type: model_type.to_string(),
+        text: text_cfg,
+        backbone_hidden_size,
+        head,
+        num_assistant_tokens: None,
+    })
+}
+
+/// Check that a drafter can run on a target (spec §1.1, §4): it reads the target's store-layer K/V and
+/// hidden states, so their geometry, vocabulary and RoPE must agree. Errors name both sides.
+pub fn validate_pair(target: &TextConfig, draft: &AssistantConfig) -> Result<()> {
+    let d = &draft.text;
+    if draft.backbone_hidden_size != target.hidden_size {
+        bail!(
+            "assistant backbone_hidden_size is {} but the target's hidden_size is {}: this drafter belongs to another model",
+            draft.backbone_hidden_size,
+            target.hidden_size
+        );
+    }
+    if d.vocab_size != target.vocab_size {
+        bail!("assistant vocabulary ({}) differs from the target's ({})", d.vocab_size, target.vocab_size);
+    }
+    for kind in [LayerType::Sliding, LayerType::Full] {
+        let Some((dd, dkv)) = d.geometry(kind) else { continue };
+        let store = target.store_layer(kind).ok_or_else(|| {
+            anyhow!("the assistant has {} layers but the target has no {} store layer", kind.name(), kind.name())
+        })?;
+        let (td, tkv) = (target.layers[store].head_dim, target.layers[store].kv_heads);
+        if (dd, dkv) != (td, tkv) {
+            bail!(
+                "assistant {} layers expect head_dim {dd} with {dkv} KV heads, but the target's store layer {store} has head_dim {td} with {tkv}",
+                kind.name()
+            );
+        }
+        if d.rope(kind) != target.rope(kind) {
+            bail!("assistant RoPE parameters for {} differ from the target's", kind.name());
+        }
+    }
+    Ok(())
+}

@@ -203,10 +203,14 @@ impl WeightStore {
 
     /// A float tensor of the expected shape, or an error naming it.
     pub fn require(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let full = format!("{}{name}", self.prefix);
+        self.require_full(&format!("{}{name}", self.prefix), shape)
+    }
+
+    /// Like `require`, by full name (drafter tensors have one fixed naming scheme).
+    pub fn require_full(&self, full: &str, shape: &[usize]) -> Result<Tensor> {
         let t = self
             .tensors
-            .get(&full)
+            .get(full)
             .ok_or_else(|| anyhow!("{}: missing tensor `{full}`", self.source.display()))?;
         check_shape(t, shape, &self.source)?;
         t.float_dtype().map_err(|e| anyhow!("{}: {e}", self.source.display()))?;

@@ -1,5 +1,6 @@
 //! Models: the Gemma 4 target (and, later, its assistant drafter) with their caches.
 
+pub mod assistant;
 pub mod cache;
 pub mod ops;
 pub mod rope;

@@ -1,0 +1,284 @@
+//! The assistant (MTP) drafter (spec §5): a few query-only layers over the target's store-layer K/V,
+//! fed `[target embedding of the last token ; target hidden]`, chained through `post_projection`.
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+
+use crate::config::{load_assistant_config, AssistantConfig, DraftHead, LayerType};
+use crate::kernels::{self, DType};
+use crate::model::cache::LayerKv;
+use crate::model::ops::{add_normed, attend, gelu_mlp, norm_heads, norm_rows};
+use crate::model::rope::Rope;
+use crate::weights::{StoredDtype, Tensor, WeightStore};
+
+struct DraftLayer {
+    kind: LayerType,
+    input_norm: Vec<f32>,
+    post_attn_norm: Vec<f32>,
+    pre_ff_norm: Vec<f32>,
+    post_ff_norm: Vec<f32>,
+    q: Tensor,
+    q_norm: Vec<f32>,
+    o: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    scalar: f32,
+}
+
+struct Centroids {
+    weight: Tensor,
+    /// `token_ordering` as `[num_centroids, V / num_centroids]`: the tokens of each cluster.
+    ordering: Vec<u32>,
+    top_k: usize,
+}
+
+/// Drafter logits: the whole vocabulary (tied head) or only the candidates of the chosen clusters.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DraftLogits {
+    Full(Vec<f32>),
+    Sparse { ids: Vec<u32>, logits: Vec<f32> },
+}
+
+impl DraftLogits {
+    /// The greedy draft: the highest logit, ties to the lowest token id (torch's argmax over the vocabulary).
+    pub fn argmax(&self) -> u32 {
+        match self {
+            DraftLogits::Full(l) => kernels::argmax(l) as u32,
+            DraftLogits::Sparse { ids, logits } => {
+                let mut best = (f32::NEG_INFINITY, u32::MAX);
+                for (&id, &v) in ids.iter().zip(logits) {
+                    if v > best.0 || (v == best.0 && id < best.1) {
+                        best = (v, id);
+                    }
+                }
+                best.1
+            }
+        }
+    }
+
+    /// The vocabulary-sized logits transformers returns: non-candidates hold `min(candidates) − 1`.
+    pub fn to_full(&self, vocab: usize, dt: DType) -> Vec<f32> {
+        match self {
+            DraftLogits::Full(l) => l.clone(),
+            DraftLogits::Sparse { ids, logits } => {
+                let min = logits.iter().copied().fold(f32::INFINITY, f32::min);
+                let mut out = vec![dt.round(min - 1.0); vocab];
+                for (&id, &v) in ids.iter().zip(logits) {
+                    out[id as usize] = v;
+                }
+                out
+            }
+        }
+    }
+}
+
+pub struct DraftStep {
+    pub logits: DraftLogits,
+    /// `post_projection` of the drafter's final-normed state: the next step's `h`.
+    pub hidden: Vec<f32>,
+}
+
+pub struct Assistant {
+    pub cfg: AssistantConfig,
+    pub dtype: DType,
+    pre_proj: Tensor,
+    post_proj: Tensor,
+    embed: Tensor,
+    final_norm: Vec<f32>,
+    layers: Vec<DraftLayer>,
+    centroids: Option<Centroids>,
+    rope_sliding: Rope,
+    rope_full: Rope,
+}
+
+impl Assistant {
+    pub fn load(dir: &Path) -> Result<Assistant> {
+        if !dir.is_dir() {
+            bail!("assistant directory {} does not exist", dir.display());
+        }
+        let cfg = load_assistant_config(dir)?;
+        let store = WeightStore::open(dir)?;
+        Assistant::from_store(cfg, &store)
+    }
+
+    pub fn from_store(cfg: AssistantConfig, store: &WeightStore) -> Result<Assistant> {
+        let t = &cfg.text;
+        let (v, hd, hb, hq) = (t.vocab_size, t.hidden_size, cfg.backbone_hidden_size, t.num_heads);
+        let vec = |name: &str, n: usize| -> Result<Vec<f32>> { store.require_full(name, &[n])?.to_f32() };
+        let embed = store.require_full("model.embed_tokens.weight", &[v, hd])?;
+        let dtype = embed.float_dtype()?;
+        let mut layers = Vec::new();
+        for (i, lc) in t.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}.");
+            let d = lc.head_dim;
+            let scalar = match store.get_full(&format!("{p}layer_scalar")) {
+                Some(_) => store.require_full(&format!("{p}layer_scalar"), &[1])?.to_f32()?[0],
+                None => 1.0,
+            };
+            layers.push(DraftLayer {
+                kind: lc.kind,
+                input_norm: vec(&format!("{p}input_layernorm.weight"), hd)?,
+                post_attn_norm: vec(&format!("{p}post_attention_layernorm.weight"), hd)?,
+                pre_ff_norm: vec(&format!("{p}pre_feedforward_layernorm.weight"), hd)?,
+                post_ff_norm: vec(&format!("{p}post_feedforward_layernorm.weight"), hd)?,
+                q: store.require_full(&format!("{p}self_attn.q_proj.weight"), &[hq * d, hd])?,
+                q_norm: vec(&format!("{p}self_attn.q_norm.weight"), d)?,
+                o: store.require_full(&format!("{p}self_attn.o_proj.weight"), &[hd, hq * d])?,
+                gate: store.require_full(&format!("{p}mlp.gate_proj.weight"), &[lc.intermediate_size, hd])?,
+                up: store.require_full(&format!("{p}mlp.up_proj.weight"), &[lc.intermediate_size, hd])?,
+                down: store.require_full(&format!("{p}mlp.down_proj.weight"), &[hd, lc.intermediate_size])?,
+                scalar: dtype.round(scalar),
+            });
+        }
+        let has_centroid_tensors = store.get_full("masked_embedding.centroids.weight").is_some()
+            || store.get_full("masked_embedding.token_ordering").is_some();
+        let centroids = match cfg.head {
+            DraftHead::Centroid { num_centroids, top_k } => {
+                if !has_centroid_tensors {
+                    bail!("the assistant config sets use_ordered_embeddings (centroid head) but the checkpoint has no masked_embedding tensors");
+                }
+                let weight = store.require_full("masked_embedding.centroids.weight", &[num_centroids, hd])?;
+                let ordering = token_ordering(store, v)?;
+                Some(Centroids { weight, ordering, top_k })
+            }
+            DraftHead::Tied => {
+                if has_centroid_tensors {
+                    bail!("the assistant checkpoint has masked_embedding (centroid head) tensors but its config has use_ordered_embeddings false");
+                }
+                None
+            }
+        };
+        let d_s = t.geometry(LayerType::Sliding).map_or(2, |g| g.0);
+        let d_f = t.geometry(LayerType::Full).map_or(2, |g| g.0);
+        Ok(Assistant {
+            pre_proj: store.require_full("pre_projection.weight", &[hd, 2 * hb])?,
+            post_proj: store.require_full("post_projection.weight", &[hb, hd])?,
+            final_norm: vec("model.norm.weight", hd)?,
+            rope_sliding: Rope::new(&t.rope_sliding, d_s),
+            rope_full: Rope::new(&t.rope_full, d_f),
+            embed,
+            dtype,
+            layers,
+            centroids,
+            cfg,
+        })
+    }
+
+    /// Bytes of weights one draft step reads (the centroid head reads only the candidates' rows).
+    pub fn bytes_per_step(&self) -> usize {
+        let mut n = self.pre_proj.bytes().len() + self.post_proj.bytes().len();
+        for l in &self.layers {
+            n += l.q.bytes().len() + l.o.bytes().len() + l.gate.bytes().len() + l.up.bytes().len() + l.down.bytes().len();
+        }
+        n + match &self.centroids {
+            Some(c) => {
+                let per_cluster = self.cfg.text.vocab_size / c.weight.shape[0];
+                c.weight.bytes().len() + c.top_k * per_cluster * self.embed.bytes().len() / self.cfg.text.vocab_size
+            }
+            None => self.embed.bytes().len(),
+        }
+    }
+
+    /// One draft step at query position `p` (spec §5.1, clean semantics of §5.4): full layers see the donor
+    /// keys `0..p`, sliding layers the last W+1 of them. `embedding` is the target's scaled embedding of the
+    /// input token and `h` the previous target (or drafter) hidden state, both of size Hb.
+    pub fn step(&self, embedding: &[f32], h: &[f32], sliding: &LayerKv, full: &LayerKv, p: usize) -> DraftStep {
+        let t = &self.cfg.text;
+        let (dt, eps, hq) = (self.dtype, t.rms_norm_eps, t.num_heads);
+        let mut u = Vec::with_capacity(embedding.len() + h.len());
+        u.extend_from_slice(embedding);
+        u.extend_from_slice(h);
+        let mut x = vec![0f32; t.hidden_size];
+        kernels::matmul(&u, 1, self.pre_proj.mat(), &mut x);
+        dt.round_slice(&mut x);
+        for layer in &self.layers {
+            let (kv, rope) = match layer.kind {
+                LayerType::Sliding => (sliding, &self.rope_sliding),
+                LayerType::Full => (full, &self.rope_full),
+            };
+            let d = kv.head_dim;
+            let a = norm_rows(&x, 1, &layer.input_norm, eps, dt);
+            let mut q = vec![0f32; hq * d];
+            kernels::matmul(&a, 1, layer.q.mat(), &mut q);
+            dt.round_slice(&mut q);
+            norm_heads(&mut q, d, Some(&layer.q_norm), eps, dt);
+            let (mut cos, mut sin) = (vec![0f32; d / 2], vec![0f32; d / 2]);
+            rope.angles(p, dt, &mut cos, &mut sin);
+            rope.apply(&mut q, &cos, &sin, dt);
+            // No causal mask: every donor key is in the past. Sliding layers keep W+1 of them (spec §5.3).
+            let lo = match layer.kind {
+                LayerType::Sliding => p.saturating_sub(t.sliding_window + 1),
+                LayerType::Full => 0,
+            };
+            let mut o = vec![0f32; hq * d];
+            attend(&q, kv, 1, hq, |_| lo..p, dt, &mut o);
+            let mut out = vec![0f32; t.hidden_size];
+            kernels::matmul(&o, 1, layer.o.mat(), &mut out);
+            dt.round_slice(&mut out);
+            add_normed(&mut x, &out, &layer.post_attn_norm, eps, dt);
+            let xn = norm_rows(&x, 1, &layer.pre_ff_norm, eps, dt);
+            let m = gelu_mlp(&xn, 1, layer.gate.mat(), layer.up.mat(), layer.down.mat(), dt);
+            add_normed(&mut x, &m, &layer.post_ff_norm, eps, dt);
+            let s = layer.scalar;
+            x.iter_mut().for_each(|v| *v = dt.round(*v * s));
+        }
+        let hd = norm_rows(&x, 1, &self.final_norm, eps, dt);
+        let mut hidden = vec![0f32; self.cfg.backbone_hidden_size];
+        kernels::matmul(&hd, 1, self.post_proj.mat(), &mut hidden);
+        dt.round_slice(&mut hidden);
+        DraftStep { logits: self.head(&hd), hidden }
+    }
+
+    fn head(&self, hd: &[f32]) -> DraftLogits {
+        let dt = self.dtype;
+        let embed = self.embed.mat();
+        let Some(c) = &self.centroids else {
+            let mut logits = vec![0f32; embed.rows];
+            kernels::matmul(hd, 1, embed, &mut logits);
+            dt.round_slice(&mut logits);
+            return DraftLogits::Full(logits);
+        };
+        let num_c = c.weight.shape[0];
+        let mut scores = vec![0f32; num_c];
+        kernels::matmul(hd, 1, c.weight.mat(), &mut scores);
+        dt.round_slice(&mut scores);
+        // The top-k clusters (which of equal scores win is immaterial: ties at the boundary are measure-zero
+        // for trained weights, and any choice is a valid draft under lossless verification).
+        let mut order: Vec<u32> = (0..num_c as u32).collect();
+        order.select_nth_unstable_by(c.top_k - 1, |&a, &b| {
+            scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b))
+        });
+        let per = embed.rows / num_c;
+        let mut ids = Vec::with_capacity(c.top_k * per);
+        for &cl in &order[..c.top_k] {
+            ids.extend_from_slice(&c.ordering[cl as usize * per..(cl as usize + 1) * per]);
+        }
+        let mut logits = vec![0f32; ids.len()];
+        kernels::matmul_gather(hd, embed, &ids, &mut logits);
+        dt.round_slice(&mut logits);
+        DraftLogits::Sparse { ids, logits }
+    }
+}
+
+/// `masked_embedding.token_ordering`: must be a permutation of the vocabulary (an all-zero buffer is what an
+/// uninitialised export leaves, and would map every cluster to token 0).
+fn token_ordering(store: &WeightStore, vocab: usize) -> Result<Vec<u32>> {
+    let name = "masked_embedding.token_ordering";
+    let t = store.get_full(name).ok_or_else(|| anyhow::anyhow!("missing tensor `{name}`"))?;
+    if t.shape != [vocab] {
+        bail!("tensor `{name}` has shape {:?}, expected [{vocab}]", t.shape);
+    }
+    let values: Vec<i64> = match t.dtype {
+        StoredDtype::I64 => t.to_i64()?,
+        _ => bail!("tensor `{name}` must be I64"),
+    };
+    let mut seen = vec![false; vocab];
+    for &v in &values {
+        if v < 0 || v as usize >= vocab || std::mem::replace(&mut seen[v as usize], true) {
+            bail!("tensor `{name}` is not a permutation of the vocabulary (value {v})");
+        }
+    }
+    Ok(values.into_iter().map(|v| v as u32).collect())
+}
