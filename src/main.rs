@@ -10,7 +10,10 @@ use serde_json::json;
 
 use tandem::bench::{self, BenchOptions, Preset};
 use tandem::decode::generate::{generate, FinishReason, GenerateOptions};
+use tandem::config::validate_pair;
 use tandem::decode::sampling::SamplingParams;
+use tandem::decode::speculative::{generate_speculative, DraftLength, SpecStats, MAX_DRAFT};
+use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
 
 #[derive(Parser)]
@@ -68,6 +71,19 @@ struct GenerateArgs {
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
+    /// Assistant (MTP drafter) directory: decode speculatively, with exactly the target's output.
+    #[arg(long)]
+    assistant: Option<PathBuf>,
+    /// Draft tokens per round: a number, or `auto` (adapt to measured acceptance and costs). Default: the
+    /// drafter's `num_assistant_tokens`, else auto.
+    #[arg(long, value_name = "K|auto")]
+    draft_tokens: Option<String>,
+    /// Load the assistant but decode without drafting.
+    #[arg(long)]
+    no_draft: bool,
+    /// Add every round's drafted tokens and acceptance to the JSON output.
+    #[arg(long)]
+    trace: bool,
 }
 
 #[derive(Args)]
@@ -164,48 +180,110 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         top_logprobs: args.top_logprobs,
         context_limit,
     };
+    let assistant = match &args.assistant {
+        Some(dir) => {
+            let a = Assistant::load(dir).context("cannot load the assistant")?;
+            validate_pair(&model.cfg, &a.cfg).context("the assistant does not match the target")?;
+            Some(a)
+        }
+        None => None,
+    };
+    if args.assistant.is_none() && (args.draft_tokens.is_some() || args.trace) {
+        bail!("--draft-tokens and --trace need --assistant");
+    }
+    let draft_len = match (&assistant, args.draft_tokens.as_deref()) {
+        (None, _) => None,
+        (Some(_), _) if args.no_draft => None,
+        (Some(_), Some("auto")) => Some(DraftLength::Auto),
+        (Some(_), Some(k)) => match k.parse::<usize>() {
+            Ok(k) if (1..=MAX_DRAFT).contains(&k) => Some(DraftLength::Fixed(k)),
+            _ => bail!("--draft-tokens must be a number from 1 to {MAX_DRAFT} or `auto`, got {k:?}"),
+        },
+        (Some(a), None) => Some(match a.cfg.num_assistant_tokens {
+            Some(k) => DraftLength::Fixed(k.min(MAX_DRAFT)),
+            None => DraftLength::Auto,
+        }),
+    };
+
     let stdout = std::io::stdout();
     let mut first = true;
-    let g = generate(&model, &prompt, &opts, |t| {
-        if !args.json {
+    let mut print_tokens = |ts: &[u32]| {
+        if !args.json && !ts.is_empty() {
             let mut o = stdout.lock();
-            let _ = write!(o, "{}{t}", if first { "" } else { " " });
+            for t in ts {
+                let _ = write!(o, "{}{t}", if first { "" } else { " " });
+                first = false;
+            }
             let _ = o.flush();
-            first = false;
         }
-    })
-    .context("generation failed")?;
+    };
+    let (g, spec) = match (&assistant, draft_len) {
+        (Some(a), Some(dl)) => {
+            let (g, s) = generate_speculative(&model, a, &prompt, &opts, dl, args.trace, &mut print_tokens)
+                .context("generation failed")?;
+            (g, Some(s))
+        }
+        _ => (generate(&model, &prompt, &opts, |t| print_tokens(&[t])).context("generation failed")?, None),
+    };
     if g.context_limited {
         eprintln!("note: stopped at the context limit of {context_limit} tokens");
     }
     if args.json {
+        let mut stats = serde_json::to_value(&g.stats)?;
+        let mut rounds = None;
+        if let Some(s) = &spec {
+            let mut sv = serde_json::to_value(s)?;
+            rounds = sv.as_object_mut().and_then(|o| o.remove("rounds"));
+            if let (Some(dst), Some(src)) = (stats.as_object_mut(), sv.as_object()) {
+                dst.extend(src.clone());
+            }
+        }
         let mut obj = json!({
             "prompt_ids": prompt,
             "tokens": g.tokens,
             "text": null,
             "finish_reason": g.finish_reason,
-            "stats": g.stats,
+            "stats": stats,
         });
         if args.top_logprobs.is_some() {
             obj["logprobs"] = serde_json::to_value(&g.logprobs)?;
         }
+        if let Some(r) = rounds {
+            obj["rounds"] = r;
+        }
         println!("{obj}");
     } else {
         println!();
-        let s = &g.stats;
-        eprintln!(
-            "{} prompt tokens, {} generated ({}); prefill {:.1} tok/s, decode {:.1} tok/s",
-            s.prompt_tokens,
-            s.generated_tokens,
-            match g.finish_reason {
-                FinishReason::Stop => "stop",
-                FinishReason::Length => "length",
-            },
-            s.prefill_tokens_per_s,
-            s.decode_tokens_per_s
-        );
+        eprintln!("{}", summary(&g, spec.as_ref()));
     }
     Ok(())
+}
+
+/// The one-line human summary on stderr.
+fn summary(g: &tandem::decode::generate::Generation, spec: Option<&SpecStats>) -> String {
+    let s = &g.stats;
+    let mut line = format!(
+        "{} prompt tokens, {} generated ({}); prefill {:.1} tok/s, decode {:.1} tok/s",
+        s.prompt_tokens,
+        s.generated_tokens,
+        match g.finish_reason {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        },
+        s.prefill_tokens_per_s,
+        s.decode_tokens_per_s
+    );
+    if let Some(sp) = spec {
+        line += &format!(
+            "; drafting: {} rounds, {}/{} drafts accepted ({:.0}%), {:.2} per round",
+            sp.draft_rounds,
+            sp.accepted_tokens,
+            sp.drafted_tokens,
+            100.0 * sp.acceptance_rate,
+            sp.mean_accepted_per_round
+        );
+    }
+    line
 }
 
 fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {

@@ -1,2 +1,3 @@
 pub mod generate;
 pub mod sampling;
+pub mod speculative;

@@ -1,0 +1,362 @@
+//! Speculative decoding with the assistant drafter (spec §6): draft k tokens, verify them in one multi-row
+//! target forward, keep the longest accepted prefix plus one target token, roll the caches back.
+//!
+//! Lossless by construction. Greedy: a draft is kept only if it is the target's own argmax. Sampling:
+//! drafts are *sampled* from the drafter's processed distribution q (same processors as the target) and
+//! accepted with probability min(1, p/q); on rejection the token comes from normalised max(p − q, 0)
+//! (Leviathan et al.), so every emitted token is distributed exactly as plain sampling from p.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::config::LayerType;
+use crate::decode::generate::{prefill, validate_prompt, FinishReason, GenerateOptions, Generation, Stats, TokenLogprob};
+use crate::decode::sampling::{log_softmax, top_n, Sampler};
+use crate::model::assistant::{Assistant, DraftLogits, DraftStep};
+use crate::model::cache::MAX_ROLLBACK;
+use crate::model::{Keep, KvCache, TargetModel};
+
+/// The most draft tokens per round (the verify forward then has up to this + 1 rows).
+pub const MAX_DRAFT: usize = 16;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftLength {
+    Fixed(usize),
+    /// Chosen each round from measured acceptance and costs; 0 (plain decoding) when drafting does not pay.
+    Auto,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Round {
+    pub drafted: Vec<u32>,
+    pub accepted: usize,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SpecStats {
+    pub draft_rounds: usize,
+    pub drafted_tokens: usize,
+    pub accepted_tokens: usize,
+    pub acceptance_rate: f64,
+    pub mean_accepted_per_round: f64,
+    /// How often the i-th draft of a round was accepted.
+    pub accepted_per_position: Vec<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rounds: Option<Vec<Round>>,
+}
+
+/// Whatever proposes draft tokens. The assistant model is the real one; tests plug in drafters with
+/// controlled proposals to exercise partial and full acceptance.
+pub trait Drafter {
+    /// One draft step at query position `p` (the last committed token's position; the target cache holds
+    /// `0..p`): the input token, the previous hidden state, and the target whose caches it may read.
+    fn draft_step(&self, target: &TargetModel, cache: &KvCache, token: u32, h: &[f32], p: usize) -> DraftStep;
+}
+
+impl Drafter for Assistant {
+    fn draft_step(&self, target: &TargetModel, cache: &KvCache, token: u32, h: &[f32], p: usize) -> DraftStep {
+        let sliding = cache.store_kv(&target.cfg, LayerType::Sliding).expect("validated pair");
+        let full = cache.store_kv(&target.cfg, LayerType::Full).expect("validated pair");
+        let mut emb = vec![0f32; target.cfg.hidden_size];
+        target.embed_token(token, &mut emb);
+        self.step(&emb, h, sliding, full, p)
+    }
+}
+
+/// A draft token and the drafter distribution it was drawn from (for the acceptance test).
+struct Draft {
+    token: u32,
+    /// Sampling only: (token, probability) of q's support.
+    q: Vec<(u32, f32)>,
+}
+
+/// Running estimates behind `--draft-tokens auto`.
+struct Adaptive {
+    /// Per draft position: (accepted, tried), with a weak prior of one half.
+    accept: Vec<(f64, f64)>,
+    draft_step_s: Option<f64>,
+    /// Verify time by row count (exponential moving averages).
+    verify_s: Vec<Option<f64>>,
+    rounds_since_probe: usize,
+}
+
+impl Adaptive {
+    fn new() -> Adaptive {
+        Adaptive { accept: vec![(1.0, 2.0); MAX_DRAFT], draft_step_s: None, verify_s: vec![None; MAX_DRAFT + 2], rounds_since_probe: 0 }
+    }
+
+    fn ema(old: Option<f64>, new: f64) -> Option<f64> {
+        Some(old.map_or(new, |o| 0.8 * o + 0.2 * new))
+    }
+
+    fn verify_cost(&self, rows: usize) -> Option<f64> {
+        // Unmeasured row counts: interpolate from the nearest measured ones, else assume flat-ish cost.
+        if let Some(t) = self.verify_s[rows] {
+            return Some(t);
+        }
+        let one = self.verify_s[1]?;
+        let known = (1..self.verify_s.len()).filter_map(|r| self.verify_s[r].map(|t| (r, t))).max_by_key(|(r, _)| *r);
+        Some(match known {
+            Some((r, t)) if r > 1 => one + (t - one) * (rows - 1) as f64 / (r - 1) as f64,
+            _ => one * (1.0 + 0.05 * (rows - 1) as f64),
+        })
+    }
+
+    /// The k in 0..=k_max with the best expected tokens per second.
+    fn choose(&mut self, k_max: usize) -> usize {
+        let (Some(step), Some(_)) = (self.draft_step_s, self.verify_s[1]) else {
+            // Nothing measured yet: draft a little to learn the costs.
+            return k_max.min(2);
+        };
+        let mut best = (0usize, 0f64);
+        let mut reach = 1.0; // probability that the first j drafts are all accepted
+        let mut expected = 1.0; // expected tokens per round
+        for k in 0..=k_max {
+            if k > 0 {
+                let (a, n) = self.accept[k - 1];
+                reach *= a / n;
+                expected += reach;
+            }
+            let cost = k as f64 * step + self.verify_cost(k + 1).unwrap_or(f64::INFINITY);
+            let rate = expected / cost;
+            if rate > best.1 {
+                best = (k, rate);
+            }
+        }
+        self.rounds_since_probe += 1;
+        if best.0 == 0 && self.rounds_since_probe >= 32 && k_max > 0 {
+            // Acceptance may have changed with the text: probe with one draft now and then.
+            self.rounds_since_probe = 0;
+            return 1;
+        }
+        best.0
+    }
+
+    fn record(&mut self, drafted: usize, accepted: usize, draft_s: f64, verify_s: f64) {
+        for i in 0..drafted {
+            self.accept[i].1 += 1.0;
+            if i < accepted {
+                self.accept[i].0 += 1.0;
+            }
+        }
+        if drafted > 0 {
+            self.draft_step_s = Self::ema(self.draft_step_s, draft_s / drafted as f64);
+        }
+        self.verify_s[drafted + 1] = Self::ema(self.verify_s[drafted + 1], verify_s);
+    }
+}
+
+/// Generate with drafting. `on_tokens` sees each round's accepted tokens at once.
+pub fn generate_speculative<D: Drafter + ?Sized>(
+    target: &TargetModel,
+    drafter: &D,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    draft_len: DraftLength,
+    trace: bool,
+    mut on_tokens: impl FnMut(&[u32]),
+) -> Result<(Generation, SpecStats)> {
+    validate_prompt(target, prompt, opts.context_limit)?;
+    opts.sampling.validate()?;
+    let k_cap = match draft_len {
+        DraftLength::Fixed(k) => k.min(MAX_DRAFT).min(MAX_ROLLBACK - 1),
+        DraftLength::Auto => MAX_DRAFT.min(8),
+    };
+    let eos = &target.cfg.eos_token_ids;
+    let mut sampler = Sampler::new(opts.sampling.clone());
+    let greedy = opts.sampling.is_greedy();
+    let mut cache = target.new_cache();
+    let mut history = prompt.to_vec();
+    let mut gen = Generation {
+        tokens: Vec::new(),
+        finish_reason: FinishReason::Length,
+        context_limited: false,
+        logprobs: Vec::new(),
+        stats: Stats { prompt_tokens: prompt.len(), ..Stats::default() },
+    };
+    let mut spec = SpecStats {
+        accepted_per_position: vec![0; k_cap],
+        rounds: trace.then(Vec::new),
+        ..SpecStats::default()
+    };
+    if opts.max_new_tokens == 0 {
+        return Ok((gen, spec));
+    }
+
+    let t0 = Instant::now();
+    let first = prefill(target, &mut cache, prompt)?;
+    gen.stats.prefill_tokens_per_s = prompt.len() as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+    let t1 = Instant::now();
+
+    // Iteration 0: the prefill's last row gives the first token.
+    let token = sampler.sample(first.logits_row(0), &history);
+    let mut emitted = vec![token];
+    if let Some(n) = opts.top_logprobs {
+        push_logprob(&mut gen, first.logits_row(0), token, n);
+    }
+    let mut h = first.hidden_row(0).to_vec();
+    let mut adaptive = Adaptive::new();
+
+    loop {
+        // Commit this round's tokens, honouring EOS and the budgets exactly.
+        let mut stop = false;
+        let mut keep = 0;
+        for &t in &emitted {
+            history.push(t);
+            gen.tokens.push(t);
+            keep += 1;
+            if !opts.ignore_eos && eos.contains(&t) {
+                gen.finish_reason = FinishReason::Stop;
+                stop = true;
+                break;
+            }
+        }
+        gen.logprobs.truncate(gen.tokens.len().min(gen.logprobs.len()));
+        on_tokens(&emitted[..keep]);
+        if stop || gen.tokens.len() >= opts.max_new_tokens {
+            break;
+        }
+        if history.len() >= opts.context_limit {
+            gen.context_limited = true;
+            break;
+        }
+
+        // Draft.
+        let n_committed = history.len();
+        let remaining = opts.max_new_tokens - gen.tokens.len();
+        let k_max = k_cap.min(remaining - 1).min(opts.context_limit - n_committed - 1);
+        let k = match draft_len {
+            DraftLength::Fixed(_) => k_max,
+            DraftLength::Auto => adaptive.choose(k_max),
+        };
+        let p = n_committed - 1; // the last committed token's position; the cache holds 0..p-1
+        let last = *history.last().expect("non-empty");
+        let td = Instant::now();
+        let mut drafts: Vec<Draft> = Vec::with_capacity(k);
+        if k > 0 {
+            let mut tok = last;
+            let mut hp = h.clone();
+            for _ in 0..k {
+                let step = drafter.draft_step(target, &cache, tok, &hp, p);
+                let d = if greedy {
+                    Draft { token: step.logits.argmax(), q: Vec::new() }
+                } else {
+                    // The repetition penalty sees the drafts so far, as the target will.
+                    sample_draft(&mut sampler, &step.logits, &history)
+                };
+                tok = d.token;
+                history.push(tok);
+                drafts.push(d);
+                hp = step.hidden;
+            }
+            history.truncate(n_committed);
+        }
+        let draft_s = td.elapsed().as_secs_f64();
+
+        // Verify all drafts in one forward.
+        let tv = Instant::now();
+        let mut rows = vec![last];
+        rows.extend(drafts.iter().map(|d| d.token));
+        let out = target.forward(&mut cache, &rows, Keep::All)?;
+        let mut accepted = 0;
+        let mut bonus = None;
+        for (i, d) in drafts.iter().enumerate() {
+            let logits = out.logits_row(i);
+            if greedy {
+                let y = sampler.sample(logits, &history);
+                if y != d.token {
+                    bonus = Some(y);
+                    break;
+                }
+            } else {
+                let pd = sampler.probs(logits, &history);
+                let q_tok = d.q.iter().find(|(t, _)| *t == d.token).map_or(0.0, |x| x.1);
+                let u = sampler.rng().next_f64();
+                if (u * q_tok as f64) >= pd[d.token as usize] as f64 {
+                    // Rejected: draw from the normalised residual max(p − q, 0).
+                    let mut residual = pd.clone();
+                    for &(t, qv) in &d.q {
+                        residual[t as usize] = (residual[t as usize] - qv).max(0.0);
+                    }
+                    let pick = if residual.iter().any(|&w| w > 0.0) { sampler.sample_from(&residual) } else { sampler.sample_from(&pd) };
+                    bonus = Some(pick);
+                    break;
+                }
+            }
+            if let Some(n) = opts.top_logprobs {
+                push_logprob(&mut gen, logits, d.token, n);
+            }
+            history.push(d.token);
+            accepted += 1;
+        }
+        let bonus = match bonus {
+            Some(b) => b,
+            None => sampler.sample(out.logits_row(accepted), &history),
+        };
+        history.truncate(n_committed);
+        if let Some(n) = opts.top_logprobs {
+            push_logprob(&mut gen, out.logits_row(accepted), bonus, n);
+        }
+        cache.rollback(k - accepted)?;
+        h = out.hidden_row(accepted).to_vec();
+        adaptive.record(k, accepted, draft_s, tv.elapsed().as_secs_f64());
+
+        if k > 0 {
+            spec.draft_rounds += 1;
+            spec.drafted_tokens += k;
+            spec.accepted_tokens += accepted;
+            for slot in spec.accepted_per_position.iter_mut().take(accepted) {
+                *slot += 1;
+            }
+            if let Some(r) = spec.rounds.as_mut() {
+                r.push(Round { drafted: drafts.iter().map(|d| d.token).collect(), accepted });
+            }
+        }
+        emitted = drafts[..accepted].iter().map(|d| d.token).collect();
+        emitted.push(bonus);
+    }
+
+    let decode_s = t1.elapsed().as_secs_f64();
+    gen.stats.generated_tokens = gen.tokens.len();
+    gen.logprobs.truncate(gen.tokens.len());
+    if gen.tokens.len() > 1 {
+        gen.stats.decode_tokens_per_s = (gen.tokens.len() - 1) as f64 / decode_s.max(1e-9);
+    }
+    if spec.drafted_tokens > 0 {
+        spec.acceptance_rate = spec.accepted_tokens as f64 / spec.drafted_tokens as f64;
+    }
+    if spec.draft_rounds > 0 {
+        spec.mean_accepted_per_round = spec.accepted_tokens as f64 / spec.draft_rounds as f64;
+    }
+    Ok((gen, spec))
+}
+
+fn push_logprob(gen: &mut Generation, logits: &[f32], token: u32, n: usize) {
+    let lp = log_softmax(logits);
+    gen.logprobs.push(TokenLogprob { token, logprob: lp[token as usize], top: top_n(&lp, n) });
+}
+
+/// Sample a draft from the drafter's processed distribution. Centroid-head logits cover only the candidate
+/// tokens; the others have probability 0 under q, which the residual step accounts for.
+fn sample_draft(sampler: &mut Sampler, logits: &DraftLogits, history: &[u32]) -> Draft {
+    match logits {
+        DraftLogits::Full(l) => {
+            let q = sampler.probs(l, history);
+            let token = sampler.sample_from(&q);
+            let support = q.iter().enumerate().filter(|(_, &p)| p > 0.0).map(|(i, &p)| (i as u32, p)).collect();
+            Draft { token, q: support }
+        }
+        DraftLogits::Sparse { ids, logits } => {
+            // Run the processors on the candidates alone, with the history mapped to candidate indices.
+            let index: HashMap<u32, u32> = ids.iter().enumerate().map(|(i, &t)| (t, i as u32)).collect();
+            let local_history: Vec<u32> = history.iter().filter_map(|t| index.get(t).copied()).collect();
+            let q = sampler.probs(logits, &local_history);
+            let pick = sampler.sample_from(&q) as usize;
+            let support = ids.iter().zip(&q).filter(|(_, &p)| p > 0.0).map(|(&t, &p)| (t, p)).collect();
+            Draft { token: ids[pick], q: support }
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! Speculative decoding is lossless: greedy output equals plain greedy output token for token, and sampled
+//! output has exactly the plain sampling distribution.
+
+mod common;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use common::*;
+use tandem::decode::generate::{generate, GenerateOptions};
+use tandem::decode::sampling::{Rng, Sampler, SamplingParams};
+use tandem::decode::speculative::{generate_speculative, DraftLength, Drafter};
+use tandem::model::assistant::{Assistant, DraftLogits, DraftStep};
+use tandem::model::{Keep, KvCache, TargetModel};
+
+fn opts(max_new: usize, sampling: SamplingParams) -> GenerateOptions {
+    GenerateOptions { max_new_tokens: max_new, ignore_eos: true, sampling, top_logprobs: None, context_limit: 512 }
+}
+
+fn random_prompt(rng: &mut Rng, vocab: u32) -> Vec<u32> {
+    let len = 2 + (rng.next_u64() % 24) as usize;
+    (0..len).map(|_| 3 + (rng.next_u64() % (vocab as u64 - 3)) as u32).collect()
+}
+
+/// A drafter that knows the plain greedy continuation and proposes it, except that each proposal is
+/// replaced by a wrong token with probability `error_rate`: rounds end in full, partial and no acceptance.
+struct Oracle {
+    truth: Vec<u32>,
+    error_rate: f64,
+    state: RefCell<(usize, usize, Rng)>, // (round's p, draft index within the round, rng)
+}
+
+impl Oracle {
+    fn new(truth: Vec<u32>, error_rate: f64, seed: u64) -> Oracle {
+        Oracle { truth, error_rate, state: RefCell::new((usize::MAX, 0, Rng::new(seed))) }
+    }
+}
+
+impl Drafter for Oracle {
+    fn draft_step(&self, _t: &TargetModel, _c: &KvCache, _token: u32, h: &[f32], p: usize) -> DraftStep {
+        let mut st = self.state.borrow_mut();
+        if st.0 != p {
+            *st = (p, 0, st.2.clone());
+        }
+        st.1 += 1;
+        let at = p + st.1;
+        let right = self.truth.get(at).copied().unwrap_or(5);
+        let token = if st.2.next_f64() < self.error_rate { (right + 1 + (st.2.next_u64() % 5) as u32) % 256 } else { right };
+        DraftStep { logits: DraftLogits::Sparse { ids: vec![token], logits: vec![0.0] }, hidden: h.to_vec() }
+    }
+}
+
+#[test]
+fn greedy_with_the_real_drafters_equals_plain_greedy() {
+    let target = TargetModel::load(&fixture_dir("t1-f32")).unwrap();
+    let mut rng = Rng::new(11);
+    for name in ["d1-centroid", "d2-tied"] {
+        let a = Assistant::load(&fixture_dir(name)).unwrap();
+        for case in 0..10 {
+            let prompt = random_prompt(&mut rng, 256);
+            let sampling = SamplingParams { repeat_penalty: if case % 3 == 0 { 1.3 } else { 1.0 }, ..SamplingParams::default() };
+            let o = opts(30, sampling);
+            let plain = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
+            for dl in [DraftLength::Fixed(1), DraftLength::Fixed(3), DraftLength::Fixed(5), DraftLength::Fixed(8), DraftLength::Auto] {
+                let (g, stats) = generate_speculative(&target, &a, &prompt, &o, dl, true, |_| {}).unwrap();
+                assert_eq!(g.tokens, plain, "{name} {dl:?} prompt {prompt:?}");
+                assert_eq!(stats.drafted_tokens, stats.rounds.as_ref().unwrap().iter().map(|r| r.drafted.len()).sum::<usize>());
+            }
+        }
+    }
+}
+
+#[test]
+fn greedy_with_partial_and_full_acceptance_equals_plain_greedy_on_every_target() {
+    let mut rng = Rng::new(5);
+    for name in FIXTURES {
+        let target = TargetModel::load(&fixture_dir(name)).unwrap();
+        for case in 0..6u64 {
+            let prompt = random_prompt(&mut rng, 256);
+            let o = opts(40, SamplingParams::default());
+            let plain = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
+            let truth: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
+            for (k, err) in [(1, 0.3), (4, 0.0), (4, 0.3), (7, 0.15)] {
+                let oracle = Oracle::new(truth.clone(), err, case);
+                let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, DraftLength::Fixed(k), true, |_| {}).unwrap();
+                assert_eq!(g.tokens, plain, "{name} k={k} err={err}");
+                let rounds = stats.rounds.unwrap();
+                if err == 0.0 {
+                    // Every draft right: all rounds but the budget-clamped last ones accept everything.
+                    assert!(rounds.iter().filter(|r| r.accepted == r.drafted.len()).count() >= rounds.len() - 1);
+                    assert!(stats.mean_accepted_per_round > 3.0 || rounds.len() <= 2);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn eos_and_max_new_tokens_are_exact() {
+    let mut target = TargetModel::load(&fixture_dir("t5-e2b")).unwrap();
+    let prompt = vec![2, 40, 41, 42, 43];
+    let o = opts(40, SamplingParams::default());
+    let plain = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
+    let truth: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
+    for max_new in 1..12 {
+        let o = opts(max_new, SamplingParams::default());
+        let oracle = Oracle::new(truth.clone(), 0.0, 1);
+        let (g, _) = generate_speculative(&target, &oracle, &prompt, &o, DraftLength::Fixed(5), false, |_| {}).unwrap();
+        assert_eq!(g.tokens, plain[..max_new], "max_new_tokens {max_new}");
+    }
+    // An eos id that the drafts run straight through: generation stops right after it.
+    let at = (3..plain.len()).find(|&i| !plain[..i].contains(&plain[i])).unwrap();
+    target.cfg.eos_token_ids = vec![plain[at]];
+    let o = GenerateOptions { ignore_eos: false, ..opts(40, SamplingParams::default()) };
+    let oracle = Oracle::new(truth.clone(), 0.0, 1);
+    let mut streamed = Vec::new();
+    let (g, _) = generate_speculative(&target, &oracle, &prompt, &o, DraftLength::Fixed(6), false, |t| streamed.extend_from_slice(t)).unwrap();
+    assert_eq!(g.tokens, plain[..=at]);
+    assert_eq!(streamed, g.tokens, "only committed tokens are streamed");
+    assert_eq!(g.finish_reason, tandem::decode::generate::FinishReason::Stop);
+}
+
+/// Exact distribution of the generated tokens at indices 1 and 2 (the ones a first drafting round
+/// produces) under plain sampling, by enumerating the support (top-k keeps it small).
+fn exact_marginals(target: &TargetModel, prompt: &[u32], params: &SamplingParams) -> (HashMap<u32, f64>, HashMap<u32, f64>) {
+    let sampler = Sampler::new(params.clone());
+    let probs_after = |seq: &[u32]| -> Vec<(u32, f64)> {
+        let mut cache = target.new_cache();
+        let out = target.forward(&mut cache, seq, Keep::Last).unwrap();
+        sampler.probs(out.logits_row(0), seq).iter().enumerate().filter(|(_, p)| **p > 0.0).map(|(i, p)| (i as u32, *p as f64)).collect()
+    };
+    let (mut m1, mut m2) = (HashMap::new(), HashMap::new());
+    for (t0, p0) in probs_after(prompt) {
+        let s0: Vec<u32> = prompt.iter().copied().chain([t0]).collect();
+        for (t1, p1) in probs_after(&s0) {
+            *m1.entry(t1).or_insert(0.0) += p0 * p1;
+            let s1: Vec<u32> = s0.iter().copied().chain([t1]).collect();
+            for (t2, p2) in probs_after(&s1) {
+                *m2.entry(t2).or_insert(0.0) += p0 * p1 * p2;
+            }
+        }
+    }
+    (m1, m2)
+}
+
+/// Pearson chi-square of observed counts against expected probabilities (cells below 5 expected pooled),
+/// and the 1e-4 critical value for its degrees of freedom (Wilson–Hilferty).
+fn chi_square(counts: &HashMap<u32, usize>, expected: &HashMap<u32, f64>, n: usize) -> (f64, f64) {
+    let (mut stat, mut cells) = (0.0, 0usize);
+    let (mut pool_obs, mut pool_exp) = (0.0, 0.0);
+    for (t, p) in expected {
+        let e = p * n as f64;
+        let o = *counts.get(t).unwrap_or(&0) as f64;
+        if e < 5.0 {
+            pool_obs += o;
+            pool_exp += e;
+        } else {
+            stat += (o - e).powi(2) / e;
+            cells += 1;
+        }
+    }
+    let outside: usize = counts.iter().filter(|(t, _)| !expected.contains_key(t)).map(|(_, c)| *c).sum();
+    pool_obs += outside as f64;
+    if pool_exp > 0.0 {
+        stat += (pool_obs - pool_exp).powi(2) / pool_exp.max(1e-9);
+        cells += 1;
+    } else {
+        assert_eq!(outside, 0, "tokens outside the support were drawn");
+    }
+    let df = (cells - 1) as f64;
+    let z = 3.719; // one-sided 1e-4
+    let crit = df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3);
+    (stat, crit)
+}
+
+#[test]
+fn speculative_sampling_has_exactly_the_plain_sampling_distribution() {
+    let target = TargetModel::load(&fixture_dir("t1-f32")).unwrap();
+    let prompt: Vec<u32> = vec![2, 17, 33, 90, 121, 7, 64, 200, 31, 5, 11, 19];
+    let params = SamplingParams { temperature: 1.0, top_k: 6, ..SamplingParams::default() };
+    let (m1, m2) = exact_marginals(&target, &prompt, &params);
+    let n = 3000;
+    let a = Assistant::load(&fixture_dir("d1-centroid")).unwrap();
+    let count = |tokens: Vec<Vec<u32>>| {
+        let (mut c1, mut c2) = (HashMap::new(), HashMap::new());
+        for t in tokens {
+            *c1.entry(t[1]).or_insert(0) += 1;
+            *c2.entry(t[2]).or_insert(0) += 1;
+        }
+        (c1, c2)
+    };
+    let o = |seed| opts(3, SamplingParams { seed, ..params.clone() });
+    // Real drafter (drafts sampled from its own processed distribution) and a point-mass drafter that
+    // proposes plausible but often wrong tokens.
+    let spec_real: Vec<Vec<u32>> = (0..n as u64)
+        .map(|s| generate_speculative(&target, &a, &prompt, &o(s), DraftLength::Fixed(3), false, |_| {}).unwrap().0.tokens)
+        .collect();
+    let truth: Vec<u32> = prompt.iter().copied().chain(generate(&target, &prompt, &opts(3, SamplingParams::default()), |_| {}).unwrap().tokens).collect();
+    let spec_oracle: Vec<Vec<u32>> = (0..n as u64)
+        .map(|s| {
+            let oracle = Oracle::new(truth.clone(), 0.5, s);
+            generate_speculative(&target, &oracle, &prompt, &o(s), DraftLength::Fixed(3), false, |_| {}).unwrap().0.tokens
+        })
+        .collect();
+    for (label, runs) in [("assistant", spec_real), ("oracle", spec_oracle)] {
+        let (c1, c2) = count(runs);
+        for (i, (c, m)) in [(c1, &m1), (c2, &m2)].into_iter().enumerate() {
+            let (stat, crit) = chi_square(&c, m, n);
+            println!("{label}: token {}: chi2 {stat:.1} (critical {crit:.1})", i + 1);
+            assert!(stat < crit, "{label}: token {} distribution differs from plain sampling: chi2 {stat} >= {crit}", i + 1);
+        }
+    }
+    // The test has power: a different temperature is detected.
+    let hot = SamplingParams { temperature: 1.6, ..params.clone() };
+    let wrong: Vec<Vec<u32>> = (0..n as u64)
+        .map(|s| generate(&target, &prompt, &opts(3, SamplingParams { seed: s, ..hot.clone() }), |_| {}).unwrap().tokens)
+        .collect();
+    let (_, c2) = count(wrong);
+    let (stat, crit) = chi_square(&c2, &m2, n);
+    assert!(stat > crit, "a temperature-1.6 sample should not pass as temperature 1.0 ({stat} < {crit})");
+}
