@@ -9,16 +9,18 @@ use tandem::decode::generate::{generate, GenerateOptions};
 use tandem::decode::sampling::SamplingParams;
 use tandem::model::{Keep, TargetModel};
 
-/// Tolerances against the reference (max abs, mean abs). f32 models agree to float noise. bf16 models round
-/// at every cast point exactly where transformers does and agree bit for bit on these fixtures; the small
-/// allowance covers a different accumulation order flipping a rounding. f16 agrees less closely (torch's
-/// CPU half-precision paths differ in ways we do not mirror; no official checkpoint is f16).
+/// Tolerances against the reference (max abs, mean abs). f32 models agree to float noise. bf16 and f16
+/// models round at every cast point where transformers does; they agree bit for bit where the summation
+/// order happens to match, but a SIMD summation order flips a rounding now and then, and these tiny random
+/// models amplify every flip. So the bound is relative to how far the same weights computed in f32 land
+/// from the reference: we must be several times closer than exact arithmetic is.
 fn tolerance(g: &Golden) -> (f32, f32) {
-    match g.dtype() {
-        "float32" => (2e-4, 2e-5),
-        "bfloat16" => (0.07, 2e-3),
-        _ => (0.05, 5e-3),
+    if g.is_f32() {
+        return (2e-4, 2e-5);
     }
+    let (_, exact) = g.tensor("logits_f32_compute");
+    let (_, reference) = g.tensor("logits");
+    (0.3 * max_diff(exact, reference), 0.3 * mean_diff(exact, reference))
 }
 
 /// Below this top-2 margin of the reference's logits, greedy may legitimately pick the other token.
