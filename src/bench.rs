@@ -7,7 +7,8 @@ use rayon::prelude::*;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::config::{parse_model_config, KvMode, TextConfig};
+use crate::config::{parse_assistant_config, parse_model_config, AssistantConfig, DraftHead, KvMode, LayerType, TextConfig};
+use crate::model::assistant::Assistant;
 use crate::kernels::{self, DType};
 use crate::model::{Keep, TargetModel};
 use crate::weights::{Tensor, WeightStore};
@@ -56,6 +57,58 @@ impl Preset {
         });
         Ok(parse_model_config(&j)?.text)
     }
+
+    /// The assistant published for this size (spec §1.1): 4 layers [S,S,S,F], centroid head.
+    pub fn assistant_config(self, target: &TextConfig) -> Result<AssistantConfig> {
+        let (s, f) = (target.geometry(LayerType::Sliding), target.geometry(LayerType::Full));
+        let (Some((ds, kvs)), Some((df, kvf))) = (s, f) else { bail!("the target needs both layer types") };
+        let j = json!({
+            "model_type": "gemma4_assistant", "backbone_hidden_size": target.hidden_size,
+            "use_ordered_embeddings": true, "num_centroids": 2048, "centroid_intermediate_top_k": 32,
+            "text_config": {
+                "model_type": "gemma4_text", "vocab_size": target.vocab_size, "hidden_size": 256,
+                "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                "num_key_value_heads": kvs, "head_dim": ds, "global_head_dim": df,
+                "num_global_key_value_heads": kvf, "attention_k_eq_v": kvs != kvf,
+                "sliding_window": target.sliding_window, "num_kv_shared_layers": 4,
+                "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+            }
+        });
+        parse_assistant_config(&j)
+    }
+}
+
+/// A drafter of `cfg` with random bf16 weights and a random token ordering.
+pub fn random_assistant(cfg: &AssistantConfig, seed: u64) -> Result<Assistant> {
+    let t = &cfg.text;
+    let (v, hd, hb) = (t.vocab_size, t.hidden_size, cfg.backbone_hidden_size);
+    let mut tensors = vec![
+        random_tensor("pre_projection.weight", vec![hd, 2 * hb], 0.02, 0.0, seed),
+        random_tensor("post_projection.weight", vec![hb, hd], 0.02, 0.0, seed + 1),
+        random_tensor("model.embed_tokens.weight", vec![v, hd], 0.05, 0.0, seed + 2),
+        random_tensor("model.norm.weight", vec![hd], 0.1, 1.0, seed + 3),
+    ];
+    for (i, lc) in t.layers.iter().enumerate() {
+        let p = format!("model.layers.{i}.");
+        let (d, s) = (lc.head_dim, seed + 10 * (i as u64 + 1));
+        tensors.push(random_tensor(&format!("{p}self_attn.q_proj.weight"), vec![t.num_heads * d, hd], 0.02, 0.0, s));
+        tensors.push(random_tensor(&format!("{p}self_attn.o_proj.weight"), vec![hd, t.num_heads * d], 0.02, 0.0, s + 1));
+        tensors.push(random_tensor(&format!("{p}self_attn.q_norm.weight"), vec![d], 0.1, 1.0, s + 2));
+        tensors.push(random_tensor(&format!("{p}mlp.gate_proj.weight"), vec![lc.intermediate_size, hd], 0.02, 0.0, s + 3));
+        tensors.push(random_tensor(&format!("{p}mlp.up_proj.weight"), vec![lc.intermediate_size, hd], 0.02, 0.0, s + 4));
+        tensors.push(random_tensor(&format!("{p}mlp.down_proj.weight"), vec![hd, lc.intermediate_size], 0.02, 0.0, s + 5));
+        for n in ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+            tensors.push(random_tensor(&format!("{p}{n}.weight"), vec![hd], 0.1, 1.0, s + 6));
+        }
+    }
+    if let DraftHead::Centroid { num_centroids, .. } = cfg.head {
+        tensors.push(random_tensor("masked_embedding.centroids.weight", vec![num_centroids, hd], 0.05, 0.0, seed + 4));
+        // A fixed stride permutation of the vocabulary (any permutation will do for timing).
+        let ordering: Vec<i64> = (0..v as i64).map(|i| (i * 7919) % v as i64).collect();
+        tensors.push(Tensor::owned_i64("masked_embedding.token_ordering", &ordering));
+    }
+    Assistant::from_store(cfg.clone(), &WeightStore::from_tensors(tensors))
 }
 
 /// A model of `cfg` with random bf16 weights (small uniform values, norms near 1).
@@ -151,6 +204,12 @@ pub struct BenchReport {
     pub machine_read_gb_per_s: f64,
     /// `(rows, ms, ratio to one row)` for a multi-row forward.
     pub rows: Vec<(usize, f64, f64)>,
+    /// One draft step of the size's assistant (centroid head), and its cost relative to a decode step.
+    pub draft_step_ms: f64,
+    pub draft_step_ratio: f64,
+    /// Projected decode speed-up over plain decoding, `[k-1][accepted]`, from the measured costs:
+    /// `(accepted + 1) · t_step / (k · t_draft + t_verify(k + 1))`.
+    pub projected_speedup: Vec<Vec<f64>>,
 }
 
 impl BenchReport {
@@ -175,6 +234,23 @@ impl BenchReport {
         s += "rows  ms/forward  vs 1 row\n";
         for (r, ms, ratio) in &self.rows {
             s += &format!("{r:>4}  {ms:>10.1}  {ratio:>7.2}x\n");
+        }
+        s += &format!(
+            "draft step (centroid head): {:.2} ms = {:.1}% of a decode step\n",
+            self.draft_step_ms,
+            100.0 * self.draft_step_ratio
+        );
+        s += "projected speed-up by draft tokens k (rows) and mean accepted drafts per round (columns)\n   k";
+        for a in 0..self.projected_speedup.len().max(1) + 1 {
+            s += &format!("  {a:>5}");
+        }
+        s += "\n";
+        for (k, row) in self.projected_speedup.iter().enumerate() {
+            s += &format!("{:>4}", k + 1);
+            for v in row {
+                s += &format!("  {v:>4.2}x");
+            }
+            s += "\n";
         }
         s
     }
@@ -216,7 +292,7 @@ pub fn run(opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
     let step_s = t.elapsed().as_secs_f64() / opts.decode_steps as f64;
 
     log("multi-row forwards...");
-    let mut rows = Vec::new();
+    let mut rows_ms = Vec::new();
     let mut base = 0.0;
     for r in 1..=opts.max_rows {
         let toks: Vec<u32> = (0..r as u32).map(|i| 100 + i).collect();
@@ -231,8 +307,28 @@ pub fn run(opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
         if r == 1 {
             base = ms;
         }
-        rows.push((r, ms, ms / base));
+        rows_ms.push((r, ms, ms / base));
     }
+    log("draft steps...");
+    let acfg = opts.preset.assistant_config(&cfg)?;
+    let assistant = random_assistant(&acfg, 99)?;
+    let sliding = cache.store_kv(&cfg, LayerType::Sliding).expect("store layer");
+    let full = cache.store_kv(&cfg, LayerType::Full).expect("store layer");
+    let mut emb = vec![0f32; cfg.hidden_size];
+    model.embed_token(17, &mut emb);
+    let mut h = vec![0.01f32; cfg.hidden_size];
+    let mut times = Vec::new();
+    for _ in 0..9 {
+        let t = Instant::now();
+        let step = assistant.step(&emb, &h, sliding, full, cache.len());
+        times.push(t.elapsed().as_secs_f64());
+        h = step.hidden;
+    }
+    let draft_s = median(times);
+    let verify = |rows: usize| -> f64 { rows_ms.get(rows - 1).map_or(f64::NAN, |r| r.1) / 1e3 };
+    let projected_speedup = (1..opts.max_rows)
+        .map(|k| (0..=k).map(|a| (a + 1) as f64 * step_s / (k as f64 * draft_s + verify(k + 1))).collect())
+        .collect();
     Ok(BenchReport {
         preset: opts.preset,
         layers: opts.layers,
@@ -244,6 +340,9 @@ pub fn run(opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
         decode_ms_per_token: step_s * 1e3,
         effective_weight_gb_per_s: bytes as f64 / step_s / 1e9,
         machine_read_gb_per_s: machine,
-        rows,
+        rows: rows_ms,
+        draft_step_ms: draft_s * 1e3,
+        draft_step_ratio: draft_s / step_s,
+        projected_speedup,
     })
 }

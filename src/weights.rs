@@ -83,6 +83,12 @@ impl Tensor {
         Tensor { name: name.to_string(), dtype: StoredDtype::Float(dtype), shape, buf: Arc::new(Buffer::Owned(data)), offset: 0, len }
     }
 
+    pub fn owned_i64(name: &str, values: &[i64]) -> Tensor {
+        let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let len = data.len();
+        Tensor { name: name.to_string(), dtype: StoredDtype::I64, shape: vec![values.len()], buf: Arc::new(Buffer::Owned(data)), offset: 0, len }
+    }
+
     pub fn bytes(&self) -> &[u8] {
         &self.buf.bytes()[self.offset..self.offset + self.len]
     }
