@@ -4,9 +4,32 @@
 //! directly from the memory map. Every kernel has a portable scalar version (`scalar`), which is the
 //! reference the SIMD versions are tested against.
 
+//!
+//! The SIMD versions live one file per instruction set (`avx2`, `avx512`, `avx512bf16`); [`isa`] picks
+//! the best one the CPU has once per process, and every kernel also has a `*_with(isa, ..)` form so
+//! tests can run each path. `unsafe` lives only in those SIMD files; this file only dispatches.
+//!
+//! Matmul results are *batch invariant*: each output element is produced by the same sequence of
+//! floating-point operations whatever `m`, the tiling or the thread count, so row `i` of a 16-row
+//! verification matmul is bit-identical to the same row computed alone (for a given [`Isa`]).
+
+pub mod bandwidth;
 pub mod scalar;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512bf16;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+#[cfg(test)]
+mod tests;
+
 use half::{bf16, f16};
+use rayon::prelude::*;
+use std::sync::OnceLock;
 
 /// Storage dtype of a weight tensor (and the "model dtype" whose rounding the forward pass mimics).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,36 +117,428 @@ impl<'a> MatRef<'a> {
     }
 }
 
+/// Instruction-set level of the kernels, ordered from least to most capable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    /// Portable Rust loops (the reference).
+    Scalar,
+    /// AVX2 + FMA + F16C, 256-bit vectors.
+    Avx2,
+    /// AVX-512 F/BW/VL (+ FMA, F16C), 512-bit vectors; bf16 weights widened to f32.
+    Avx512,
+    /// AVX-512 plus AVX512_BF16: bf16 weights multiplied directly with `vdpbf16ps`.
+    Avx512Bf16,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+            Isa::Avx512Bf16 => "avx512bf16",
+        }
+    }
+
+    /// Parse a name as accepted by `TANDEM_ISA` (case-insensitive).
+    pub fn parse(s: &str) -> Option<Isa> {
+        let s = s.trim();
+        Isa::ALL.into_iter().find(|i| i.name().eq_ignore_ascii_case(s))
+    }
+
+    /// The best level this CPU supports, ignoring `TANDEM_ISA`. Detected once.
+    pub fn detected() -> Isa {
+        static DETECTED: OnceLock<Isa> = OnceLock::new();
+        *DETECTED.get_or_init(detect)
+    }
+
+    /// Every level this CPU can run, lowest first.
+    pub fn available() -> Vec<Isa> {
+        let best = Isa::detected();
+        Isa::ALL.into_iter().filter(|&i| i <= best).collect()
+    }
+}
+
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn detect() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx512bf16::supported() {
+            return Isa::Avx512Bf16;
+        }
+        if avx512::supported() {
+            return Isa::Avx512;
+        }
+        if avx2::supported() {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Scalar
+}
+
+/// The instruction set the kernels use: the detected one, or a lower one named by the environment
+/// variable `TANDEM_ISA` (`scalar|avx2|avx512|avx512bf16`). An unknown name, or one the CPU cannot
+/// run, is ignored. Decided once per process.
+pub fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        let best = Isa::detected();
+        match std::env::var("TANDEM_ISA").ok().as_deref().and_then(Isa::parse) {
+            Some(wanted) if wanted <= best => wanted,
+            _ => best,
+        }
+    })
+}
+
+/// `isa` lowered to what this CPU can actually run (so `*_with` never executes unsupported code).
+#[inline]
+fn runnable(isa: Isa) -> Isa {
+    isa.min(Isa::detected())
+}
+
 /// `out[i, j] = Σ_k x[i, k] · w[j, k]` for `i < m`: `x` is `[m, w.cols]`, `out` is `[m, w.rows]`.
 ///
 /// With bf16 weights `x` is rounded to bf16 first (exact when the model runs in bf16, as the reference
-/// does) and products are accumulated in f32.
+/// does) and products are accumulated in f32. Large matrices are split over rayon's global pool by
+/// weight rows; the result does not depend on the thread count.
 pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32]) {
-    scalar::matmul(x, m, w, out)
+    matmul_with(isa(), x, m, w, out)
+}
+
+/// [`matmul`] on a given instruction set (lowered to what the CPU supports).
+pub fn matmul_with(isa: Isa, x: &[f32], m: usize, w: MatRef, out: &mut [f32]) {
+    matmul_split(isa, x, m, w, out, Split::Auto)
+}
+
+/// How a matmul's weight rows are divided among threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Split {
+    /// Decide from the matrix size and the pool size.
+    Auto,
+    /// Chunks of (about) this many rows, parallel even for tiny matrices (tests).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Rows(usize),
+}
+
+pub(crate) fn matmul_split(isa: Isa, x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
+    let (n, k) = (w.rows, w.cols);
+    assert_eq!(x.len(), m * k, "matmul input shape");
+    assert_eq!(out.len(), m * n, "matmul output shape");
+    assert_eq!(w.data.len(), n * k * w.dtype.size(), "matmul weight buffer size");
+    if m == 0 || n == 0 {
+        return;
+    }
+    match runnable(isa) {
+        Isa::Scalar => scalar::matmul(x, m, w, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::matmul(x, m, w, out, split),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => avx512::matmul(x, m, w, out, split),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 => match w.dtype {
+            DType::BF16 => avx512bf16::matmul(x, m, w, out, split),
+            _ => avx512::matmul(x, m, w, out, split),
+        },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => scalar::matmul(x, m, w, out),
+    }
+}
+
+/// Thread chunks are multiples of this many weight rows, so that every tile height the kernels use
+/// (1 to 4 rows) divides them.
+const CHUNK_ROW_MULTIPLE: usize = 12;
+
+/// Below this many bytes of weights (and little compute) a matmul runs on the calling thread: waking
+/// the pool costs more than it saves. Measured with `examples/matmul_bench.rs`.
+const PAR_MIN_BYTES: usize = 256 << 10;
+/// ... unless it has this many multiply-adds (prefill on a small matrix is compute-bound).
+const PAR_MIN_MACS: usize = 4 << 20;
+/// Chunks per thread when splitting: more than one so a thread slowed by a noisy neighbour hands
+/// work to the others (rayon steals whole chunks).
+const CHUNKS_PER_THREAD: usize = 8;
+/// But no chunk smaller than this many bytes of weights.
+const MIN_CHUNK_BYTES: usize = 64 << 10;
+
+/// Rows per thread chunk, or `None` to run on the calling thread.
+fn chunk_rows(w: MatRef, m: usize, split: Split) -> Option<usize> {
+    let n = w.rows;
+    let rows = match split {
+        Split::Rows(r) => r.max(1),
+        Split::Auto => {
+            let threads = rayon::current_num_threads();
+            let bytes = w.data.len();
+            if threads <= 1 || (bytes < PAR_MIN_BYTES && m.saturating_mul(n * w.cols) < PAR_MIN_MACS) {
+                return None;
+            }
+            let row_bytes = (w.cols * w.dtype.size()).max(1);
+            (n / (threads * CHUNKS_PER_THREAD)).max(MIN_CHUNK_BYTES / row_bytes)
+        }
+    };
+    let rows = rows.div_ceil(CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE;
+    (rows < n).then_some(rows)
+}
+
+/// Run `f(w_chunk, out_chunk)` over contiguous chunks of weight rows, in parallel when worth it.
+/// `out_chunk[i]` is the part of output row `i` that belongs to the chunk's weight rows. Each output
+/// element is computed by exactly one call, so the result is independent of the split.
+pub(crate) fn for_row_chunks<F>(w: MatRef, m: usize, out: &mut [f32], split: Split, f: F)
+where
+    F: Fn(MatRef, &mut [&mut [f32]]) + Sync,
+{
+    let n = w.rows;
+    if m == 0 || n == 0 {
+        return;
+    }
+    let Some(rows) = chunk_rows(w, m, split) else {
+        let mut outs: Vec<&mut [f32]> = out.chunks_mut(n).collect();
+        f(w, &mut outs);
+        return;
+    };
+    let nchunks = n.div_ceil(rows);
+    let mut pieces: Vec<Vec<&mut [f32]>> = (0..nchunks).map(|_| Vec::with_capacity(m)).collect();
+    for row in out.chunks_mut(n) {
+        for (p, piece) in pieces.iter_mut().zip(row.chunks_mut(rows)) {
+            p.push(piece);
+        }
+    }
+    pieces.into_par_iter().enumerate().for_each(|(c, mut outs)| {
+        let start = c * rows;
+        f(w.slice_rows(start, rows.min(n - start)), &mut outs);
+    });
 }
 
 /// RMSNorm of one row: `out = x · (mean(x²) + eps)^(-1/2) · w` (no `1 + w` offset; `w = None` for v_norm).
 pub fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
-    scalar::rms_norm(x, w, eps, out)
+    rms_norm_with(isa(), x, w, eps, out)
+}
+
+pub fn rms_norm_with(isa: Isa, x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), out.len(), "rms_norm shapes");
+    if let Some(w) = w {
+        assert_eq!(w.len(), x.len(), "rms_norm weight shape");
+    }
+    match runnable(isa) {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => avx512::rms_norm(x, w, eps, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::rms_norm(x, w, eps, out),
+        _ => scalar::rms_norm(x, w, eps, out),
+    }
 }
 
 /// tanh-approximated GELU in place (`gelu_pytorch_tanh`).
+///
+/// The SIMD versions compute the same function as `x · sigmoid(2y)` with a vector `exp`; they agree
+/// with the scalar version to ~1e-6 relative (the scalar one loses relative accuracy for x ≪ 0,
+/// where `1 + tanh` cancels).
 pub fn gelu_tanh(x: &mut [f32]) {
-    scalar::gelu_tanh(x)
+    gelu_tanh_with(isa(), x)
+}
+
+pub fn gelu_tanh_with(isa: Isa, x: &mut [f32]) {
+    match runnable(isa) {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => avx512::gelu_tanh(x),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::gelu_tanh(x),
+        _ => scalar::gelu_tanh(x),
+    }
 }
 
 /// Softmax in place, f32. A row whose entries are all `-inf` stays all zero.
 pub fn softmax(x: &mut [f32]) {
-    scalar::softmax(x)
+    softmax_with(isa(), x)
+}
+
+pub fn softmax_with(isa: Isa, x: &mut [f32]) {
+    match runnable(isa) {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => avx512::softmax(x),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::softmax(x),
+        _ => scalar::softmax(x),
+    }
 }
 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    scalar::dot(a, b)
+    dot_with(isa(), a, b)
+}
+
+pub fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot shapes");
+    match runnable(isa) {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => avx512::dot(a, b),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::dot(a, b),
+        _ => scalar::dot(a, b),
+    }
 }
 
 /// `y += a · x`.
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    scalar::axpy(a, x, y)
+    axpy_with(isa(), a, x, y)
+}
+
+pub fn axpy_with(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len(), "axpy shapes");
+    match runnable(isa) {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => avx512::axpy(a, x, y),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::axpy(a, x, y),
+        _ => scalar::axpy(a, x, y),
+    }
+}
+
+/// x rows per cache block in the SIMD matmuls: enough that a block of packed activations stays in
+/// L2 next to the weight tile, and never fewer than 16 so decode and speculative verification
+/// (m ≤ 16) stream each weight from memory exactly once. A multiple of 8, so groups (≤ 8 rows when
+/// there are several) never straddle blocks.
+pub(crate) fn x_block_rows(row_bytes: usize) -> usize {
+    const X_BLOCK_BYTES: usize = 512 << 10;
+    (X_BLOCK_BYTES / row_bytes.max(1)).max(16) / 8 * 8
+}
+
+/// Lay `x` (`[m, k]`) out as the tile kernels read it: x rows in groups of `group` (the last one may
+/// be shorter), each group a panel where K step `s` holds the `step`-element slices of the group's
+/// rows one after the other. A kernel then finds row `c` of its group at `panel + kk·C + c·step`:
+/// constant offsets from one pointer, and one sequential stream. `convert(src, dst)` fills the
+/// `step` elements of `dst` (zeroed) from the ≤ `step` of `src`. Returns the panels and the padded
+/// row length `kp`; group `g`'s panel starts at `g · group · kp`.
+pub(crate) fn pack_panels<T: Copy + Default>(x: &[f32], m: usize, k: usize, step: usize, group: usize, mut convert: impl FnMut(&[f32], &mut [T])) -> (Vec<T>, usize) {
+    let (step, group) = (step.max(1), group.max(1));
+    let kp = k.div_ceil(step) * step;
+    let mut out = vec![T::default(); m * kp];
+    for g0 in (0..m).step_by(group) {
+        let c_n = group.min(m - g0);
+        let panel = &mut out[g0 * kp..(g0 + c_n) * kp];
+        for c in 0..c_n {
+            let row = &x[(g0 + c) * k..(g0 + c + 1) * k];
+            for (s, src) in row.chunks(step).enumerate() {
+                let at = (s * c_n + c) * step;
+                convert(src, &mut panel[at..at + step]);
+            }
+        }
+    }
+    (out, kp)
+}
+
+/// K elements per chunk when several x groups share a weight tile: the chunk of the tile plus the
+/// chunk of every x row of the block should fit in half of L1 (48 KiB on Zen 5), so the groups after
+/// the first read both from L1, not L2. `bytes_per_k` is what one k column costs over all of that.
+pub(crate) fn k_chunk(bytes_per_k: usize) -> usize {
+    const L1_BUDGET: usize = 24 << 10;
+    L1_BUDGET / bytes_per_k.max(1)
+}
+
+/// How a SIMD matmul walks its product (see [`for_tiles`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Plan {
+    /// Weight rows per tile (the last `n % rows` rows go one at a time).
+    pub rows: usize,
+    /// x rows per group: one register tile is `rows × group` accumulators.
+    pub group: usize,
+    /// x rows per cache block.
+    pub block: usize,
+    /// Largest K chunk when a block has several groups.
+    pub kc: usize,
+    /// K elements per kernel step.
+    pub step: usize,
+}
+
+impl Plan {
+    /// A plan whose x blocks are whole groups (so groups never straddle blocks, matching the panel
+    /// layout of [`pack_panels`]).
+    pub fn new(rows: usize, group: usize, block: usize, kc: usize, step: usize) -> Plan {
+        let group = group.max(1);
+        Plan { rows: rows.max(1), group, block: (block / group).max(1) * group, kc, step }
+    }
+}
+
+/// One call of a tile kernel (see [`for_tiles`]).
+pub(crate) struct Tile<'w> {
+    /// x rows `i..i+c`.
+    pub i: usize,
+    pub c: usize,
+    /// Weight rows `j..j+r`.
+    pub j: usize,
+    pub r: usize,
+    /// Index of the x group within its block: which accumulator set to use.
+    pub g: usize,
+    /// K range of this call; all but the last chunk are whole kernel steps.
+    pub k0: usize,
+    pub k1: usize,
+    /// First call for these accumulators (start from zero) / last one (reduce and store).
+    pub first: bool,
+    pub last: bool,
+    /// Bytes to prefetch during the call, `pf_per` cache lines per kernel step.
+    pub pf: &'w [u8],
+    pub pf_per: usize,
+}
+
+/// Walk the tiles of an `[m, k] · [n, k]ᵀ` product in cache-friendly order:
+///
+/// - x rows in blocks of `plan.block` rows (sized for L2) — one block when m ≤ 16;
+/// - per block, tiles of `plan.rows` weight rows: each tile is read from memory once per block;
+/// - per tile, K in about equal chunks of at most `plan.kc` (all of K if the block is one group);
+/// - per chunk, every group of ≤ `plan.group` x rows, so the tile's chunk is reused from L1.
+///
+/// Decode and verification sizes are planned as a single group, so the weights stream past exactly
+/// once with all the compute riding on that stream. (With several groups, the passes after the first
+/// hit only L1: the DRAM stream then idles and the hardware prefetchers lose track of it, so their
+/// compute adds to the memory time instead of hiding under it.)
+///
+/// `pf` is a share of the next tile (contiguous in memory), split evenly over the calls on this tile:
+/// a steady sequential stream of DRAM reads that keeps ahead of the demand loads, which the hardware
+/// prefetchers alone do not once there are a few x rows of work per weight byte.
+pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnMut(&Tile<'w>)) {
+    let (n, k, row_bytes) = (w.rows, w.cols, w.cols * w.dtype.size());
+    let (rows, group, block, step) = (plan.rows.max(1), plan.group.max(1), plan.block.max(1), plan.step.max(1));
+    for i0 in (0..m).step_by(block) {
+        let i1 = m.min(i0 + block);
+        let groups = (i1 - i0).div_ceil(group);
+        let chunks = if groups == 1 { 1 } else { k.div_ceil(plan.kc.max(step)).max(1) };
+        let kc = k.div_ceil(chunks).div_ceil(step) * step;
+        let calls = groups * chunks;
+        // Whole cache lines per call, so no line is prefetched twice; issued at a rate that finishes
+        // within the shortest chunk.
+        let share_lines = (rows * row_bytes).div_ceil(64).div_ceil(calls);
+        let share = share_lines * 64;
+        let shortest = (k - (chunks - 1) * kc).max(1);
+        let pf_per = share_lines.div_ceil(shortest.div_ceil(step));
+        let mut j = 0;
+        while j < n {
+            let r = if n - j >= rows { rows } else { 1 };
+            let next: &'w [u8] = if r == rows && j + 2 * rows <= n { &w.data[(j + rows) * row_bytes..(j + 2 * rows) * row_bytes] } else { &[] };
+            let mut call = 0;
+            for ch in 0..chunks {
+                let (k0, k1) = (ch * kc, k.min((ch + 1) * kc));
+                for g in 0..groups {
+                    let i = i0 + g * group;
+                    let pf = &next[(call * share).min(next.len())..((call + 1) * share).min(next.len())];
+                    f(&Tile { i, c: group.min(i1 - i), j, r, g, k0, k1, first: ch == 0, last: ch + 1 == chunks, pf, pf_per });
+                    call += 1;
+                }
+            }
+            j += r;
+        }
+    }
+}
+
+/// Store the `c × r` results of one tile into the per-row output slices.
+#[inline(always)]
+pub(crate) fn store_tile<const C: usize>(res: &[[f32; 4]; C], out: &mut [&mut [f32]], i: usize, j: usize, r: usize) {
+    for (c, v) in res.iter().enumerate() {
+        out[i + c][j..j + r].copy_from_slice(&v[..r]);
+    }
 }
 
 /// Index of the largest value; ties go to the lowest index (torch's argmax). NaN never wins.
