@@ -5,7 +5,7 @@
 //! first; f32 tails use `vmaskmovps` (masked-off lanes never fault).
 
 use super::x86::{drive, Prefetch};
-use super::{k_chunk, pack_panels, x_block_rows, DType, MatRef, Plan, Split, Tile};
+use super::{pack_panels, DType, MatRef, Plan, Split, Tile};
 use std::arch::x86_64::*;
 
 pub fn supported() -> bool {
@@ -14,15 +14,14 @@ pub fn supported() -> bool {
 
 /// Tile shape for `m` activation rows, ≤ 12 accumulators (16 ymm registers in all): a single
 /// group, i.e. one pass over the weights, up to m = 12; larger m in groups of 4 with K chunks.
-fn plan(m: usize, x_bytes: usize, w_bytes: usize, step: usize, k: usize) -> Plan {
+fn plan(m: usize, k: usize, step: usize, x_bytes: usize, w_bytes: usize) -> Plan {
     let (rows, group) = match m {
         0..=2 => (4, m.max(1)),
         3..=5 => (2, m),
         6..=12 => (1, m),
         _ => (2, 4),
     };
-    let block = x_block_rows(k.div_ceil(step) * step * x_bytes);
-    Plan::new(rows, group, block, k_chunk(m.min(block) * x_bytes + rows * w_bytes), step)
+    Plan::new(m, k, rows, group, step, x_bytes, w_bytes)
 }
 
 /// Every tile shape `plan` produces (tails use 1 weight row with the same x rows).
@@ -39,9 +38,9 @@ macro_rules! shapes {
 /// A tile's accumulators, parked in memory between K chunks (row-major `rows × group`, ≤ 12).
 type Acc = [__m256; 12];
 
-fn acc_storage(m: usize, plan: &Plan) -> Vec<Acc> {
+fn acc_storage(n: usize) -> Vec<Acc> {
     // SAFETY: __m256 is plain data; any bit pattern (here zeros) is a valid value.
-    vec![unsafe { std::mem::zeroed::<Acc>() }; m.min(plan.block).div_ceil(plan.group)]
+    vec![unsafe { std::mem::zeroed::<Acc>() }; n]
 }
 
 pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
@@ -49,18 +48,18 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
     let k = w.cols;
     match w.dtype {
         DType::BF16 => {
-            let plan = plan(m, 4, 2, 16, k);
+            let plan = plan(m, k, 16, 4, 2);
             // SAFETY: the CPU has the features, asserted above.
             let (xp, kp) = pack_panels(x, m, k, 16, plan.group, |src, dst| unsafe { pack_bf16_eo(src, dst) });
             shapes!(drive!(tile_bf16, acc_storage, xp, kp, m, w, out, split, plan,));
         }
         DType::F16 => {
-            let plan = plan(m, 4, 2, 8, k);
+            let plan = plan(m, k, 8, 4, 2);
             let (xp, kp) = pack_panels(x, m, k, 8, plan.group, |src, dst| dst[..src.len()].copy_from_slice(src));
             shapes!(drive!(tile_f16, acc_storage, xp, kp, m, w, out, split, plan,));
         }
         DType::F32 => {
-            let plan = plan(m, 4, 4, 8, k);
+            let plan = plan(m, k, 8, 4, 4);
             let (xp, kp) = pack_panels(x, m, k, 8, plan.group, |src, dst| dst[..src.len()].copy_from_slice(src));
             shapes!(drive!(tile_f32, acc_storage, xp, kp, m, w, out, split, plan,));
         }

@@ -8,7 +8,7 @@
 //! unaligned.
 
 use super::x86::{drive, Prefetch};
-use super::{k_chunk, pack_panels, x_block_rows, DType, MatRef, Plan, Split, Tile};
+use super::{pack_panels, DType, MatRef, Plan, Split, Tile};
 use std::arch::x86_64::*;
 
 pub fn supported() -> bool {
@@ -26,7 +26,7 @@ pub fn supported() -> bool {
 /// single group would need too many accumulators or re-read too much x per weight byte, so larger m
 /// goes in groups of 8 with K chunks. `wide` kernels (bf16 widened to two f32 vectors per load) need
 /// twice the registers per weight row.
-pub(super) fn plan(m: usize, wide: bool, x_bytes: usize, w_bytes: usize, step: usize, k: usize) -> Plan {
+pub(super) fn plan(m: usize, k: usize, wide: bool, step: usize, x_bytes: usize, w_bytes: usize) -> Plan {
     let (rows, group) = match (m, wide) {
         (0..=4, _) => (4, m.max(1)),
         (5..=8, false) => (3, m),
@@ -34,17 +34,16 @@ pub(super) fn plan(m: usize, wide: bool, x_bytes: usize, w_bytes: usize, step: u
         (_, false) => (3, 8),
         (_, true) => (2, 8),
     };
-    let block = x_block_rows(k.div_ceil(step) * step * x_bytes);
-    Plan::new(rows, group, block, k_chunk(m.min(block) * x_bytes + rows * w_bytes), step)
+    Plan::new(m, k, rows, group, step, x_bytes, w_bytes)
 }
 
 /// A tile's accumulators, parked in memory between K chunks (row-major `rows × group`, ≤ 24).
 pub(super) type Acc = [__m512; 24];
 
-/// Accumulator storage for every group of a block.
-pub(super) fn acc_storage(m: usize, plan: &Plan) -> Vec<Acc> {
+/// `n` accumulator sets.
+pub(super) fn acc_storage(n: usize) -> Vec<Acc> {
     // SAFETY: __m512 is plain data; any bit pattern (here zeros) is a valid value.
-    vec![unsafe { std::mem::zeroed::<Acc>() }; m.min(plan.block).div_ceil(plan.group)]
+    vec![unsafe { std::mem::zeroed::<Acc>() }; n]
 }
 
 /// Every tile shape `plan` produces (tails use 1 weight row with the same x rows).
@@ -65,18 +64,18 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
     let k = w.cols;
     match w.dtype {
         DType::BF16 => {
-            let plan = plan(m, true, 4, 2, 32, k);
+            let plan = plan(m, k, true, 32, 4, 2);
             // SAFETY (all three): the CPU has the features, asserted above.
             let (xp, kp) = pack_panels(x, m, k, 32, plan.group, |src, dst| unsafe { pack_bf16_eo(src, dst) });
             shapes!(drive!(tile_bf16, acc_storage, xp, kp, m, w, out, split, plan,));
         }
         DType::F16 => {
-            let plan = plan(m, false, 4, 2, 16, k);
+            let plan = plan(m, k, false, 16, 4, 2);
             let (xp, kp) = pack_panels(x, m, k, 16, plan.group, |src, dst| dst[..src.len()].copy_from_slice(src));
             shapes!(drive!(tile_f16, acc_storage, xp, kp, m, w, out, split, plan,));
         }
         DType::F32 => {
-            let plan = plan(m, false, 4, 4, 16, k);
+            let plan = plan(m, k, false, 16, 4, 4);
             let (xp, kp) = pack_panels(x, m, k, 16, plan.group, |src, dst| dst[..src.len()].copy_from_slice(src));
             shapes!(drive!(tile_f32, acc_storage, xp, kp, m, w, out, split, plan,));
         }

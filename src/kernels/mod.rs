@@ -398,15 +398,6 @@ pub fn axpy_with(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// x rows per cache block in the SIMD matmuls: enough that a block of packed activations stays in
-/// L2 next to the weight tile, and never fewer than 16 so decode and speculative verification
-/// (m ≤ 16) stream each weight from memory exactly once. A multiple of 8, so groups (≤ 8 rows when
-/// there are several) never straddle blocks.
-pub(crate) fn x_block_rows(row_bytes: usize) -> usize {
-    const X_BLOCK_BYTES: usize = 512 << 10;
-    (X_BLOCK_BYTES / row_bytes.max(1)).max(16) / 8 * 8
-}
-
 /// Lay `x` (`[m, k]`) out as the tile kernels read it: x rows in groups of `group` (the last one may
 /// be shorter), each group a panel where K step `s` holds the `step`-element slices of the group's
 /// rows one after the other. A kernel then finds row `c` of its group at `panel + kk·C + c·step`:
@@ -431,13 +422,8 @@ pub(crate) fn pack_panels<T: Copy + Default>(x: &[f32], m: usize, k: usize, step
     (out, kp)
 }
 
-/// K elements per chunk when several x groups share a weight tile: the chunk of the tile plus the
-/// chunk of every x row of the block should fit in half of L1 (48 KiB on Zen 5), so the groups after
-/// the first read both from L1, not L2. `bytes_per_k` is what one k column costs over all of that.
-pub(crate) fn k_chunk(bytes_per_k: usize) -> usize {
-    const L1_BUDGET: usize = 24 << 10;
-    L1_BUDGET / bytes_per_k.max(1)
-}
+/// Half of L1 (48 KiB on Zen 5): what the blocking below lets the reused operands occupy.
+const L1_BUDGET: usize = 24 << 10;
 
 /// How a SIMD matmul walks its product (see [`for_tiles`]).
 #[derive(Clone, Copy, Debug)]
@@ -446,20 +432,53 @@ pub(crate) struct Plan {
     pub rows: usize,
     /// x rows per group: one register tile is `rows × group` accumulators.
     pub group: usize,
-    /// x rows per cache block.
+    /// x rows per cache block (a multiple of `group`).
     pub block: usize,
-    /// Largest K chunk when a block has several groups.
+    /// K elements per chunk (all of K when there is nothing to reuse across chunks).
     pub kc: usize,
     /// K elements per kernel step.
     pub step: usize,
+    /// Chunks outside tiles: see [`for_tiles`].
+    pub k_outer: bool,
 }
 
 impl Plan {
-    /// A plan whose x blocks are whole groups (so groups never straddle blocks, matching the panel
-    /// layout of [`pack_panels`]).
-    pub fn new(rows: usize, group: usize, block: usize, kc: usize, step: usize) -> Plan {
-        let group = group.max(1);
-        Plan { rows: rows.max(1), group, block: (block / group).max(1) * group, kc, step }
+    /// The plan for `m` x rows of `k` elements (`x_bytes` each once packed) against weights of
+    /// `w_bytes` per element, with register tiles of `rows × group` and a kernel step of `step`.
+    pub fn new(m: usize, k: usize, rows: usize, group: usize, step: usize, x_bytes: usize, w_bytes: usize) -> Plan {
+        let (rows, group, step) = (rows.max(1), group.max(1), step.max(1));
+        let kp = k.div_ceil(step) * step;
+        // x rows per block: their panels stay in L2 next to the weight tile. Never fewer than 16
+        // (decode and verification stream each weight from memory exactly once) and whole groups
+        // (groups never straddle blocks, matching `pack_panels`).
+        let block = ((512 << 10) / (kp * x_bytes).max(1)).max(16) / group * group;
+        let single = m <= group;
+        let x_panel = group * kp * x_bytes;
+        // One group whose x panel does not fit L1 and is re-read for every tile at ≥ 2 bytes per
+        // weight byte: chunk K so that the x chunk takes most of L1 (the weights only stream
+        // through), and sweep all the tiles per chunk. Measured on Zen 5 with K = 6144: m = 8
+        // (3-row tiles) gains ~10%; 2-row and 4-row tiles, whose weight stream breaks into shorter
+        // pieces per chunk or re-reads less x, lose.
+        let (kc, k_outer) = if single && x_panel > L1_BUDGET && rows == 3 && group * x_bytes >= 2 * rows * w_bytes {
+            ((40 << 10) / (group * x_bytes), true)
+        } else if single {
+            (kp, false)
+        } else {
+            // Several groups share each tile: its chunk, plus the x chunks of the group at work
+            // and the next, should fit.
+            (L1_BUDGET / (2 * group * x_bytes + rows * w_bytes), false)
+        };
+        let kc = (kc / step).max(1) * step;
+        Plan { rows, group, block: block.max(group), kc, step, k_outer }
+    }
+
+    /// Accumulator sets a thread needs for `n` weight rows.
+    pub fn acc_slots(&self, m: usize, n: usize) -> usize {
+        if self.k_outer {
+            n / self.rows + n % self.rows
+        } else {
+            m.min(self.block).div_ceil(self.group)
+        }
     }
 }
 
@@ -471,60 +490,105 @@ pub(crate) struct Tile<'w> {
     /// Weight rows `j..j+r`.
     pub j: usize,
     pub r: usize,
-    /// Index of the x group within its block: which accumulator set to use.
-    pub g: usize,
+    /// Which accumulator set to use.
+    pub slot: usize,
     /// K range of this call; all but the last chunk are whole kernel steps.
     pub k0: usize,
     pub k1: usize,
     /// First call for these accumulators (start from zero) / last one (reduce and store).
     pub first: bool,
     pub last: bool,
-    /// Bytes to prefetch during the call, `pf_per` cache lines per kernel step.
-    pub pf: &'w [u8],
-    pub pf_per: usize,
+    /// What to prefetch during the call.
+    pub pf: Pf<'w>,
 }
 
-/// Walk the tiles of an `[m, k] · [n, k]ᵀ` product in cache-friendly order:
+/// A strided byte range to prefetch: `rows` pieces of `piece` bytes, `stride` apart, from the
+/// start of `span`; `per` cache lines per kernel step.
+#[derive(Clone, Copy)]
+pub(crate) struct Pf<'w> {
+    pub span: &'w [u8],
+    pub piece: usize,
+    pub stride: usize,
+    pub rows: usize,
+    pub per: usize,
+}
+
+impl Pf<'_> {
+    const NONE: Pf<'static> = Pf { span: &[], piece: 0, stride: 0, rows: 0, per: 0 };
+}
+
+/// Walk the tiles of an `[m, k] · [n, k]ᵀ` product in cache-friendly order. By default:
 ///
 /// - x rows in blocks of `plan.block` rows (sized for L2) — one block when m ≤ 16;
 /// - per block, tiles of `plan.rows` weight rows: each tile is read from memory once per block;
-/// - per tile, K in about equal chunks of at most `plan.kc` (all of K if the block is one group);
+/// - per tile, K in about equal chunks of at most `plan.kc`;
 /// - per chunk, every group of ≤ `plan.group` x rows, so the tile's chunk is reused from L1.
 ///
 /// Decode and verification sizes are planned as a single group, so the weights stream past exactly
 /// once with all the compute riding on that stream. (With several groups, the passes after the first
-/// hit only L1: the DRAM stream then idles and the hardware prefetchers lose track of it, so their
-/// compute adds to the memory time instead of hiding under it.)
+/// hit only L1 and their compute adds to the memory time instead of hiding under it.) When that
+/// single group's x panel is too big for L1 (`plan.k_outer`), the chunk loop goes outside the tile
+/// loop instead, so the x chunk stays in L1 while every tile's chunk streams past once.
 ///
-/// `pf` is a share of the next tile (contiguous in memory), split evenly over the calls on this tile:
-/// a steady sequential stream of DRAM reads that keeps ahead of the demand loads, which the hardware
-/// prefetchers alone do not once there are a few x rows of work per weight byte.
+/// Each call prefetches a share of the next tile (of the same chunk), split evenly over the calls
+/// on this one: a steady stream of DRAM reads ahead of the demand loads, which the hardware
+/// prefetchers alone do not keep up once there are a few x rows of work per weight byte.
 pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnMut(&Tile<'w>)) {
-    let (n, k, row_bytes) = (w.rows, w.cols, w.cols * w.dtype.size());
-    let (rows, group, block, step) = (plan.rows.max(1), plan.group.max(1), plan.block.max(1), plan.step.max(1));
+    let (n, k, size) = (w.rows, w.cols, w.dtype.size());
+    let row_bytes = k * size;
+    let (rows, group, step) = (plan.rows.max(1), plan.group.max(1), plan.step.max(1));
+    let chunks_of = |kc: usize| k.div_ceil(kc.max(step)).max(1);
+    // Prefetch of weight rows `j..j+rows`, K range `k0..k1`, split in `parts`: part `p`.
+    let prefetch = |j: usize, k0: usize, k1: usize, parts: usize, p: usize, steps: usize| -> Pf<'w> {
+        if j + rows > n || k1 <= k0 {
+            return Pf::NONE;
+        }
+        let piece = (k1 - k0) * size;
+        if k0 == 0 && k1 == k {
+            // Whole rows: one contiguous range, split in whole cache lines.
+            let all = &w.data[j * row_bytes..(j + rows) * row_bytes];
+            let share = all.len().div_ceil(64).div_ceil(parts) * 64;
+            let span = &all[(p * share).min(all.len())..((p + 1) * share).min(all.len())];
+            return Pf { span, piece: span.len(), stride: 0, rows: 1, per: span.len().div_ceil(64).div_ceil(steps.max(1)) };
+        }
+        // A chunk of `rows` rows (k-outer order has one call per tile and chunk: no split).
+        let span = &w.data[j * row_bytes + k0 * size..(j + rows - 1) * row_bytes + k1 * size];
+        Pf { span, piece, stride: row_bytes, rows, per: (rows * piece.div_ceil(64)).div_ceil(steps.max(1)) }
+    };
+    if plan.k_outer {
+        let chunks = chunks_of(plan.kc);
+        let kc = k.div_ceil(chunks).div_ceil(step) * step;
+        for ch in 0..chunks {
+            let (k0, k1) = (ch * kc, k.min((ch + 1) * kc));
+            let (mut j, mut slot) = (0, 0);
+            while j < n {
+                let r = if n - j >= rows { rows } else { 1 };
+                let pf = if r == rows { prefetch(j + rows, k0, k1, 1, 0, (k1 - k0).div_ceil(step)) } else { Pf::NONE };
+                f(&Tile { i: 0, c: m, j, r, slot, k0, k1, first: ch == 0, last: ch + 1 == chunks, pf });
+                j += r;
+                slot += 1;
+            }
+        }
+        return;
+    }
+    let block = plan.block.max(group);
     for i0 in (0..m).step_by(block) {
         let i1 = m.min(i0 + block);
         let groups = (i1 - i0).div_ceil(group);
-        let chunks = if groups == 1 { 1 } else { k.div_ceil(plan.kc.max(step)).max(1) };
+        let chunks = if groups == 1 { 1 } else { chunks_of(plan.kc) };
         let kc = k.div_ceil(chunks).div_ceil(step) * step;
-        let calls = groups * chunks;
-        // Whole cache lines per call, so no line is prefetched twice; issued at a rate that finishes
-        // within the shortest chunk.
-        let share_lines = (rows * row_bytes).div_ceil(64).div_ceil(calls);
-        let share = share_lines * 64;
-        let shortest = (k - (chunks - 1) * kc).max(1);
-        let pf_per = share_lines.div_ceil(shortest.div_ceil(step));
+        // Steps of the shortest call, so every call finishes its share of the prefetch.
+        let steps = (k - (chunks - 1) * kc).div_ceil(step);
         let mut j = 0;
         while j < n {
             let r = if n - j >= rows { rows } else { 1 };
-            let next: &'w [u8] = if r == rows && j + 2 * rows <= n { &w.data[(j + rows) * row_bytes..(j + 2 * rows) * row_bytes] } else { &[] };
             let mut call = 0;
             for ch in 0..chunks {
                 let (k0, k1) = (ch * kc, k.min((ch + 1) * kc));
                 for g in 0..groups {
                     let i = i0 + g * group;
-                    let pf = &next[(call * share).min(next.len())..((call + 1) * share).min(next.len())];
-                    f(&Tile { i, c: group.min(i1 - i), j, r, g, k0, k1, first: ch == 0, last: ch + 1 == chunks, pf, pf_per });
+                    let pf = if r == rows { prefetch(j + rows, 0, k, groups * chunks, call, steps) } else { Pf::NONE };
+                    f(&Tile { i, c: group.min(i1 - i), j, r, slot: g, k0, k1, first: ch == 0, last: ch + 1 == chunks, pf });
                     call += 1;
                 }
             }

@@ -116,6 +116,9 @@ fn matmul_matches_scalar_on_larger_shapes() {
             check_matmul(isa, &mut rng, dtype, 203, 1000, 5);
             // Rows this long make the activation block smaller than m: several x blocks.
             check_matmul(isa, &mut rng, dtype, 9, 9001, 37);
+            // One group whose x panel overflows L1: K chunks outside the tile loop.
+            check_matmul(isa, &mut rng, dtype, 29, 5003, 8);
+            check_matmul(isa, &mut rng, dtype, 7, 4100, 6);
         }
     }
 }
@@ -171,10 +174,9 @@ fn matmul_is_bit_exact_across_threads_and_batch() {
     let pool1 = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     let pool3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
     for isa in simd_isas() {
-        for dtype in [DType::BF16, DType::F16, DType::F32] {
-            let (rows, cols) = (203, 77);
+        for (dtype, rows, cols) in [(DType::BF16, 203, 77), (DType::F16, 203, 77), (DType::F32, 203, 77), (DType::BF16, 31, 3001), (DType::F32, 31, 3001)] {
             let w = Weights::random(&mut rng, dtype, rows, cols);
-            for m in [1, 5, 16] {
+            for m in [1, 5, 8, 16] {
                 let x = rng.vec(m * cols, 1.0);
                 let run = |split: Split| {
                     let mut out = vec![0f32; m * rows];
