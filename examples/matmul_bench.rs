@@ -122,6 +122,9 @@ fn bench_shape(a: &Args, rows: usize, cols: usize, ms: &[usize]) {
     let copies = (256usize << 20).div_ceil(bytes).max(1);
     let bufs: Vec<Vec<u8>> = (0..copies).map(|i| random_weights(a.dtype, rows * cols, 0x9e37 + i as u64)).collect();
     let mats: Vec<MatRef> = bufs.iter().map(|b| MatRef::new(a.dtype, rows, cols, b)).collect();
+    // This machine's memory bandwidth swings with its neighbours' load: measure it next to each
+    // shape so the GB/s below can be read against it.
+    println!("  (read bandwidth now: {:.1} GB/s)", bandwidth::measure_read_bandwidth(256 << 20));
     let mut run = Runner { isa: a.isa, mats: &mats, next: 0 };
     for &m in ms {
         run.time(m, copies);

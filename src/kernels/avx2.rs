@@ -5,7 +5,8 @@
 //! first; f32 tails use `vmaskmovps` (masked-off lanes never fault).
 
 use super::x86::{drive, Prefetch};
-use super::{pack_panels, DType, MatRef, Plan, Split, Tile};
+use super::tiling::{pack_panels, Plan, Tile};
+use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 
 pub fn supported() -> bool {
@@ -129,6 +130,7 @@ fn reduce_tile<const R: usize, const C: usize>(acc: &[[__m256; C]; R]) -> [[f32;
 #[inline]
 #[target_feature(enable = "avx")]
 fn acc_load<const R: usize, const C: usize>(t: &Tile, acc: &Acc) -> [[__m256; C]; R] {
+    const { assert!(R <= 4 && R * C <= 12, "tile shape must fit hsum4 and Acc") };
     let mut a = [[_mm256_setzero_ps(); C]; R];
     if !t.first {
         for r in 0..R {

@@ -1,14 +1,15 @@
 //! AVX-512 (F, BW, VL with FMA and F16C) kernels, 16 f32 lanes.
 //!
-//! Matmul tiles are 4 weight rows × up to 4 activation rows = 16 zmm accumulators, each holding 16
-//! partial sums of one output element; they are reduced once, after the whole K loop. Weights are
-//! widened to f32 in registers: bf16 by a shift / mask (see `pack_bf16`), f16 with `vcvtph2ps`.
-//! Tails of K use masked loads (masked-off lanes are zero and never fault), so any `cols` works and
-//! nothing past the end of a row is touched. Weight rows may be only 2-byte aligned: every load is
-//! unaligned.
+//! Matmul register tiles hold up to 24 zmm accumulators (`plan`), each with 16 partial sums of one
+//! output element, reduced once after the K loop. Weights are widened to f32 in registers: bf16 by a
+//! shift / mask (see `pack_bf16_eo`), f16 with `vcvtph2ps`. Activations come as zero-padded panels
+//! (`tiling::pack_panels`); the K tail of the weights uses masked loads (masked-off lanes are zero
+//! and never fault), so any `cols` works and nothing past a row is read. Weight rows may be only
+//! 2-byte aligned: every load is unaligned.
 
 use super::x86::{drive, Prefetch};
-use super::{pack_panels, DType, MatRef, Plan, Split, Tile};
+use super::tiling::{pack_panels, Plan, Tile};
+use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 
 pub fn supported() -> bool {
@@ -65,7 +66,7 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
     match w.dtype {
         DType::BF16 => {
             let plan = plan(m, k, true, 32, 4, 2);
-            // SAFETY (all three): the CPU has the features, asserted above.
+            // SAFETY: the CPU has the features, asserted above (which `drive!` relies on too).
             let (xp, kp) = pack_panels(x, m, k, 32, plan.group, |src, dst| unsafe { pack_bf16_eo(src, dst) });
             shapes!(drive!(tile_bf16, acc_storage, xp, kp, m, w, out, split, plan,));
         }
@@ -162,6 +163,7 @@ pub(super) fn reduce_tile<const R: usize, const C: usize>(acc: &[[__m512; C]; R]
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(super) fn acc_load<const R: usize, const C: usize>(t: &Tile, acc: &Acc) -> [[__m512; C]; R] {
+    const { assert!(R <= 4 && R * C <= 24, "tile shape must fit hsum4 and Acc") };
     let mut a = [[_mm512_setzero_ps(); C]; R];
     if !t.first {
         for r in 0..R {

@@ -9,7 +9,8 @@
 
 use super::avx512::{acc_finish, acc_load, acc_storage, plan, round_bf16_bits, shapes, Acc};
 use super::x86::{drive, Prefetch};
-use super::{pack_panels, DType, MatRef, Split, Tile};
+use super::tiling::{pack_panels, Tile};
+use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 
 pub fn supported() -> bool {
@@ -33,8 +34,7 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
 unsafe fn pack_bf16(src: &[f32], dst: &mut [u16]) {
     assert!(src.len() <= 32 && dst.len() == 32);
     for (h, d) in src.chunks(16).zip(dst.chunks_mut(16)) {
-        let mask = (1u32 << h.len()) as u16 - 1;
-        let mask = if h.len() == 16 { !0 } else { mask };
+        let mask = if h.len() >= 16 { !0 } else { (1u16 << h.len()) - 1 };
         let bits = _mm512_srli_epi32::<16>(round_bf16_bits(_mm512_maskz_loadu_ps(mask, h.as_ptr())));
         _mm256_storeu_si256(d.as_mut_ptr() as *mut _, _mm512_cvtepi32_epi16(bits));
     }

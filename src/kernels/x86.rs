@@ -1,6 +1,6 @@
 //! Plumbing shared by the x86 SIMD matmuls: the tile driver and the software prefetcher.
 
-use super::Tile;
+use super::tiling::Tile;
 use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
 /// Issues a tile call's share of the next tile's prefetch (a `Pf`), `per` cache lines per
@@ -53,9 +53,9 @@ macro_rules! drive {
      [$(($r:literal, $c:literal)),* $(,)?]) => {{
         let (xp, kp, m, plan) = (&$xp, $kp, $m, $plan);
         let ws = $w.cols * $w.dtype.size();
-        $crate::kernels::for_row_chunks($w, m, $out, $split, |wc, outs| {
+        $crate::kernels::tiling::for_row_chunks($w, m, $out, $split, |wc, outs| {
             let mut accs = $accs(plan.acc_slots(m, wc.rows));
-            $crate::kernels::for_tiles(m, wc, plan, |t| {
+            $crate::kernels::tiling::for_tiles(m, wc, plan, |t| {
                 let (x, w, acc) = (xp[t.i * kp..].as_ptr(), wc.data[t.j * ws..].as_ptr(), &mut accs[t.slot]);
                 match (t.r, t.c) {
                     $(($r, $c) => {
@@ -64,7 +64,7 @@ macro_rules! drive {
                         // j..j+r of `wc` start at `w` (for_tiles stays in bounds).
                         let res = unsafe { $kern::<$r, $c>(x, w, ws, t, acc) };
                         if t.last {
-                            $crate::kernels::store_tile(&res, outs, t.i, t.j, $r);
+                            $crate::kernels::tiling::store_tile(&res, outs, t.i, t.j, $r);
                         }
                     })*
                     _ => unreachable!("tile shape"),
