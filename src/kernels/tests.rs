@@ -119,6 +119,7 @@ fn matmul_matches_scalar_on_larger_shapes() {
             // One group whose x panel overflows L1: K chunks outside the tile loop.
             check_matmul(isa, &mut rng, dtype, 29, 5003, 8);
             check_matmul(isa, &mut rng, dtype, 7, 4100, 6);
+            check_matmul(isa, &mut rng, dtype, 11, 3000, 12);
         }
     }
 }
