@@ -51,18 +51,18 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
         DType::BF16 => {
             let plan = plan(m, k, 16, 4, 2);
             // SAFETY: the CPU has the features, asserted above.
-            let (xp, kp) = pack_panels(x, m, k, 16, plan.group, |src, dst| unsafe { pack_bf16_eo(src, dst) });
-            shapes!(drive!(tile_bf16, acc_storage, xp, kp, m, w, out, split, plan,));
+            let xp = pack_panels(x, m, k, 16, plan.group, |src, dst| unsafe { pack_bf16_eo(src, dst) });
+            shapes!(drive!(tile_bf16, acc_storage, xp, m, w, out, split, plan,));
         }
         DType::F16 => {
             let plan = plan(m, k, 8, 4, 2);
-            let (xp, kp) = pack_panels(x, m, k, 8, plan.group, |src, dst| dst[..src.len()].copy_from_slice(src));
-            shapes!(drive!(tile_f16, acc_storage, xp, kp, m, w, out, split, plan,));
+            let xp = pack_panels(x, m, k, 8, plan.group, |src, dst| dst[..src.len()].copy_from_slice(src));
+            shapes!(drive!(tile_f16, acc_storage, xp, m, w, out, split, plan,));
         }
         DType::F32 => {
             let plan = plan(m, k, 8, 4, 4);
-            let (xp, kp) = pack_panels(x, m, k, 8, plan.group, |src, dst| dst[..src.len()].copy_from_slice(src));
-            shapes!(drive!(tile_f32, acc_storage, xp, kp, m, w, out, split, plan,));
+            let xp = pack_panels(x, m, k, 8, plan.group, |src, dst| dst[..src.len()].copy_from_slice(src));
+            shapes!(drive!(tile_f32, acc_storage, xp, m, w, out, split, plan,));
         }
     }
 }

@@ -22,8 +22,8 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
     assert_eq!(w.dtype, DType::BF16);
     let plan = plan(m, w.cols, false, 32, 2, 2);
     // SAFETY: the CPU has the features, asserted above.
-    let (xp, kp) = pack_panels(x, m, w.cols, 32, plan.group, |src, dst| unsafe { pack_bf16(src, dst) });
-    shapes!(drive!(tile, acc_storage, xp, kp, m, w, out, split, plan,));
+    let xp = pack_panels(x, m, w.cols, 32, plan.group, |src, dst| unsafe { pack_bf16(src, dst) });
+    shapes!(drive!(tile, acc_storage, xp, m, w, out, split, plan,));
 }
 
 /// Round ≤ 32 activations to bf16 bits (zero-padded to 32).

@@ -120,6 +120,8 @@ fn matmul_matches_scalar_on_larger_shapes() {
             check_matmul(isa, &mut rng, dtype, 29, 5003, 8);
             check_matmul(isa, &mut rng, dtype, 7, 4100, 6);
             check_matmul(isa, &mut rng, dtype, 11, 3000, 12);
+            check_matmul(isa, &mut rng, dtype, 6, 7000, 4);
+            check_matmul(isa, &mut rng, dtype, 5, 9000, 5);
         }
     }
 }

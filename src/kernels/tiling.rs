@@ -69,16 +69,39 @@ where
     });
 }
 
+/// x packed by [`pack_panels`]: `data()` starts on a 64-byte boundary.
+pub(crate) struct Panels<T> {
+    buf: Vec<T>,
+    off: usize,
+    len: usize,
+    /// Padded row length.
+    pub kp: usize,
+}
+
+impl<T> Panels<T> {
+    pub fn data(&self) -> &[T] {
+        &self.buf[self.off..self.off + self.len]
+    }
+}
+
 /// Lay `x` (`[m, k]`) out as the tile kernels read it: x rows in groups of `group` (the last one may
 /// be shorter), each group a panel where K step `s` holds the `step`-element slices of the group's
 /// rows one after the other. A kernel then finds row `c` of its group at `panel + kk·C + c·step`:
 /// constant offsets from one pointer, and one sequential stream. `convert(src, dst)` fills the
-/// `step` elements of `dst` (zeroed) from the ≤ `step` of `src`. Returns the panels and the padded
-/// row length `kp`; group `g`'s panel starts at `g · group · kp`.
-pub(crate) fn pack_panels<T: Copy + Default>(x: &[f32], m: usize, k: usize, step: usize, group: usize, mut convert: impl FnMut(&[f32], &mut [T])) -> (Vec<T>, usize) {
+/// `step` elements of `dst` (zeroed) from the ≤ `step` of `src`. Group `g`'s panel starts at
+/// `g · group · kp`.
+///
+/// The panels are 64-byte aligned (with 64-byte steps, every vector load then stays within one
+/// cache line): a load split over two lines costs twice, and with 8 x rows per tile that alone made
+/// the kernel load-bound, depending on where `malloc` happened to put the buffer.
+pub(crate) fn pack_panels<T: Copy + Default>(x: &[f32], m: usize, k: usize, step: usize, group: usize, mut convert: impl FnMut(&[f32], &mut [T])) -> Panels<T> {
     let (step, group) = (step.max(1), group.max(1));
     let kp = k.div_ceil(step) * step;
-    let mut out = vec![T::default(); m * kp];
+    let len = m * kp;
+    let slack = 64 / std::mem::size_of::<T>().max(1);
+    let mut buf = vec![T::default(); len + slack];
+    let off = buf.as_ptr().align_offset(64).min(slack);
+    let out = &mut buf[off..off + len];
     for g0 in (0..m).step_by(group) {
         let c_n = group.min(m - g0);
         let panel = &mut out[g0 * kp..(g0 + c_n) * kp];
@@ -90,7 +113,7 @@ pub(crate) fn pack_panels<T: Copy + Default>(x: &[f32], m: usize, k: usize, step
             }
         }
     }
-    (out, kp)
+    Panels { buf, off, len, kp }
 }
 
 /// Half of L1 (48 KiB on Zen 5): what the blocking below lets the reused operands occupy.
@@ -99,7 +122,7 @@ const L1_BUDGET: usize = 24 << 10;
 /// the weight tiles.
 const X_BLOCK_BYTES: usize = 512 << 10;
 /// x chunk bytes in k-outer order, where x is the only operand that stays in L1.
-const K_OUTER_X_BYTES: usize = 40 << 10;
+const K_OUTER_X_BYTES: usize = 32 << 10;
 
 /// How a SIMD matmul walks its product (see [`for_tiles`]).
 #[derive(Clone, Copy, Debug)]
@@ -130,13 +153,12 @@ impl Plan {
         let block = (X_BLOCK_BYTES / (kp * x_bytes).max(1)).max(16) / group * group;
         let single = m <= group;
         let x_panel = group * kp * x_bytes;
-        // One group whose x panel does not fit L1 and is re-read for every tile at ≥ 2 bytes per
-        // weight byte: chunk K so that the x chunk takes most of L1 (the weights only stream
-        // through), and sweep all the tiles per chunk. Empirical on Zen 5 (K = 1536 and 6144): a
-        // clear gain (10-40%) for 2- and 3-row tiles with up to 4 chunks, a loss beyond (each
-        // chunk is another pass over the rows, with its accumulator traffic and stream restarts).
+        // One group whose x panel does not fit L1 and is re-read for every tile (at least as many
+        // x bytes as weight bytes): chunk K so that the x chunk takes most of L1 (the weights
+        // only stream through), and sweep all the tiles per chunk. On Zen 5 with K = 6144 that
+        // takes m = 5..12 from 1.5-2x the time of m = 1 to 1.1-1.6x.
         let kc_x = K_OUTER_X_BYTES / (group * x_bytes);
-        let (kc, k_outer) = if single && x_panel > L1_BUDGET && rows >= 2 && group * x_bytes >= 2 * rows * w_bytes && kp.div_ceil(kc_x.max(1)) <= 4 {
+        let (kc, k_outer) = if single && x_panel > L1_BUDGET && rows >= 2 && group * x_bytes >= rows * w_bytes && kp > kc_x {
             (kc_x, true)
         } else if single {
             (kp, false)

@@ -44,14 +44,14 @@ impl Prefetch {
 
 /// Run tile kernel `$kern` over a product: split by weight rows over threads (`for_row_chunks`),
 /// walk the tiles (`for_tiles`), call the const-generic instance for each tile's shape and store
-/// its results. `$xp` holds the x panels (row length `$kp`), `$accs(n)` makes `n` accumulator
+/// its results. `$xp` holds the x `Panels`, `$accs(n)` makes `n` accumulator
 /// sets, and the list names every `(rows, x rows)` shape the plan can produce.
 ///
 /// The caller must have checked that the CPU has `$kern`'s features.
 macro_rules! drive {
-    ($kern:ident, $accs:path, $xp:expr, $kp:expr, $m:expr, $w:expr, $out:expr, $split:expr, $plan:expr,
+    ($kern:ident, $accs:path, $xp:expr, $m:expr, $w:expr, $out:expr, $split:expr, $plan:expr,
      [$(($r:literal, $c:literal)),* $(,)?]) => {{
-        let (xp, kp, m, plan) = (&$xp, $kp, $m, $plan);
+        let (xp, kp, m, plan) = ($xp.data(), $xp.kp, $m, $plan);
         let ws = $w.cols * $w.dtype.size();
         $crate::kernels::tiling::for_row_chunks($w, m, $out, $split, |wc, outs| {
             let mut accs = $accs(plan.acc_slots(m, wc.rows));
