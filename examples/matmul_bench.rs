@@ -20,10 +20,13 @@ struct Args {
     ms: Option<Vec<usize>>,
     /// `--shape 6144x1536`: only this shape.
     shape: Option<(usize, usize)>,
+    /// `--align N`: weight data starts N bytes past a 64-byte boundary (default: wherever `malloc`
+    /// puts it). Memory-mapped tensors are generally not 64-byte aligned.
+    align: Option<usize>,
 }
 
 fn parse_args() -> Args {
-    let mut a = Args { isa: isa(), quick: false, prefill: false, small: false, dtype: DType::BF16, ms: None, shape: None };
+    let mut a = Args { isa: isa(), quick: false, prefill: false, small: false, dtype: DType::BF16, ms: None, shape: None, align: None };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         match arg.as_str() {
@@ -51,6 +54,7 @@ fn parse_args() -> Args {
                     Some((r.trim().parse().ok()?, c.trim().parse().ok()?))
                 })
             }
+            "--align" => a.align = it.next().and_then(|s| s.parse().ok()).map(|n: usize| n % 64 / 2 * 2),
             "--quick" => a.quick = true,
             "--prefill" => a.prefill = true,
             "--small" => a.small = true,
@@ -120,8 +124,25 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn bench_shape(a: &Args, rows: usize, cols: usize, ms: &[usize]) {
     let bytes = rows * cols * a.dtype.size();
     let copies = (256usize << 20).div_ceil(bytes).max(1);
-    let bufs: Vec<Vec<u8>> = (0..copies).map(|i| random_weights(a.dtype, rows * cols, 0x9e37 + i as u64)).collect();
-    let mats: Vec<MatRef> = bufs.iter().map(|b| MatRef::new(a.dtype, rows, cols, b)).collect();
+    let bufs: Vec<Vec<u8>> = (0..copies)
+        .map(|i| {
+            let w = random_weights(a.dtype, rows * cols, 0x9e37 + i as u64);
+            match a.align {
+                None => w,
+                Some(_) => [vec![0u8; 128], w].concat(),
+            }
+        })
+        .collect();
+    let mats: Vec<MatRef> = bufs
+        .iter()
+        .map(|b| match a.align {
+            None => MatRef::new(a.dtype, rows, cols, b),
+            Some(n) => {
+                let off = b.as_ptr().align_offset(64) + n;
+                MatRef::new(a.dtype, rows, cols, &b[off..off + bytes])
+            }
+        })
+        .collect();
     // This machine's memory bandwidth swings with its neighbours' load: measure it next to each
     // shape so the GB/s below can be read against it.
     println!("  (read bandwidth now: {:.1} GB/s)", bandwidth::measure_read_bandwidth(256 << 20));
