@@ -121,8 +121,9 @@ const L1_BUDGET: usize = 24 << 10;
 /// Packed x bytes per cache block: a block's panels stay in L2 (1 MiB per core on Zen 5) next to
 /// the weight tiles.
 const X_BLOCK_BYTES: usize = 512 << 10;
-/// x chunk bytes in k-outer order, where x is the only operand that stays in L1.
-const K_OUTER_X_BYTES: usize = 32 << 10;
+/// L1 bytes for k-outer order: the x chunk, which stays, plus the chunk of the weight tile at work
+/// and of the next one being prefetched, which stream through.
+const K_OUTER_L1_BYTES: usize = 40 << 10;
 
 /// How a SIMD matmul walks its product (see [`for_tiles`]).
 #[derive(Clone, Copy, Debug)]
@@ -154,10 +155,10 @@ impl Plan {
         let single = m <= group;
         let x_panel = group * kp * x_bytes;
         // One group whose x panel does not fit L1 and is re-read for every tile (at least as many
-        // x bytes as weight bytes): chunk K so that the x chunk takes most of L1 (the weights
-        // only stream through), and sweep all the tiles per chunk. On Zen 5 with K = 6144 that
-        // takes m = 5..12 from 1.5-2x the time of m = 1 to 1.1-1.6x.
-        let kc_x = K_OUTER_X_BYTES / (group * x_bytes);
+        // x bytes as weight bytes): chunk K so that the x chunk stays in L1 next to the weight
+        // chunks streaming through, and sweep all the tiles per chunk. On Zen 5 with K = 6144 that
+        // takes m = 5..12 from 1.5-2x the time of m = 1 to 1.1-1.5x.
+        let kc_x = K_OUTER_L1_BYTES / (group * x_bytes + 2 * rows * w_bytes);
         let (kc, k_outer) = if single && x_panel > L1_BUDGET && rows >= 2 && group * x_bytes >= rows * w_bytes && kp > kc_x {
             (kc_x, true)
         } else if single {
