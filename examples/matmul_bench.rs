@@ -1,0 +1,209 @@
+//! Effective weight bandwidth of `kernels::matmul` for the shapes that dominate decode.
+//!
+//! cargo run --release --example matmul_bench [-- [--isa NAME] [--threads N] [--quick] [--prefill]
+//!                                              [--small] [--dtype bf16|f16|f32]]
+//!
+//! A matrix called again and again would sit in L3 (32 MiB here), which is not what decode sees:
+//! each layer's weights are evicted by the other layers' before they are used again. So every shape
+//! is allocated in enough copies to cover 256 MiB, and consecutive calls cycle through the copies.
+
+use std::time::Instant;
+use tandem::kernels::{bandwidth, isa, matmul_with, DType, Isa, MatRef};
+
+struct Args {
+    isa: Isa,
+    quick: bool,
+    prefill: bool,
+    small: bool,
+    dtype: DType,
+    /// `--ms 1,4,8`: replaces the default m list.
+    ms: Option<Vec<usize>>,
+    /// `--shape 6144x1536`: only this shape.
+    shape: Option<(usize, usize)>,
+    /// `--align N`: weight data starts N bytes past a 64-byte boundary (default: wherever `malloc`
+    /// puts it). Memory-mapped tensors are generally not 64-byte aligned.
+    align: Option<usize>,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args { isa: isa(), quick: false, prefill: false, small: false, dtype: DType::BF16, ms: None, shape: None, align: None };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--isa" => match it.next().as_deref().and_then(Isa::parse) {
+                Some(i) => a.isa = i.min(Isa::detected()),
+                None => eprintln!("--isa wants one of scalar|avx2|avx512|avx512bf16; using {}", a.isa),
+            },
+            "--threads" => {
+                let n = it.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+                if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n).build_global() {
+                    eprintln!("--threads: {e}");
+                }
+            }
+            "--dtype" => {
+                a.dtype = match it.next().as_deref() {
+                    Some("f16") => DType::F16,
+                    Some("f32") => DType::F32,
+                    _ => DType::BF16,
+                }
+            }
+            "--ms" => a.ms = it.next().map(|s| s.split(',').filter_map(|v| v.trim().parse().ok()).collect()),
+            "--shape" => {
+                a.shape = it.next().and_then(|s| {
+                    let (r, c) = s.split_once('x')?;
+                    Some((r.trim().parse().ok()?, c.trim().parse().ok()?))
+                })
+            }
+            "--align" => a.align = it.next().and_then(|s| s.parse().ok()).map(|n: usize| n % 64 / 2 * 2),
+            "--quick" => a.quick = true,
+            "--prefill" => a.prefill = true,
+            "--small" => a.small = true,
+            other => eprintln!("ignoring argument {other}"),
+        }
+    }
+    a
+}
+
+/// Random weights in [-1, 1] as raw little-endian bytes of `dtype` (cheap: one xorshift per value).
+fn random_weights(dtype: DType, len: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let mut out = Vec::with_capacity(len * dtype.size());
+    for _ in 0..len {
+        let r = next();
+        let v = (r >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+        match dtype {
+            DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes()),
+            DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// Times of `m`-row calls, cycling through `mats` (every copy touched once, untimed, first).
+struct Runner<'a> {
+    isa: Isa,
+    mats: &'a [MatRef<'a>],
+    next: usize,
+}
+
+impl Runner<'_> {
+    /// Median seconds per call over `calls` calls.
+    fn time(&mut self, m: usize, calls: usize) -> f64 {
+        let (rows, k) = (self.mats[0].rows, self.mats[0].cols);
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0).collect();
+        let mut out = vec![0f32; m * rows];
+        let mut times: Vec<f64> = (0..calls.max(1))
+            .map(|_| {
+                let w = self.mats[self.next % self.mats.len()];
+                self.next += 1;
+                let t = Instant::now();
+                matmul_with(self.isa, &x, m, w, &mut out);
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        std::hint::black_box(&out);
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Rounds of every m in turn (so a slow spell on this shared machine hits all of them alike); per m
+/// the median over rounds of its time and of its ratio to m = 1 in the same round.
+fn bench_shape(a: &Args, rows: usize, cols: usize, ms: &[usize]) {
+    let bytes = rows * cols * a.dtype.size();
+    let copies = (256usize << 20).div_ceil(bytes).max(1);
+    let bufs: Vec<Vec<u8>> = (0..copies)
+        .map(|i| {
+            let w = random_weights(a.dtype, rows * cols, 0x9e37 + i as u64);
+            match a.align {
+                None => w,
+                Some(_) => [vec![0u8; 128], w].concat(),
+            }
+        })
+        .collect();
+    let mats: Vec<MatRef> = bufs
+        .iter()
+        .map(|b| match a.align {
+            None => MatRef::new(a.dtype, rows, cols, b),
+            Some(n) => {
+                let off = b.as_ptr().align_offset(64) + n;
+                MatRef::new(a.dtype, rows, cols, &b[off..off + bytes])
+            }
+        })
+        .collect();
+    // This machine's memory bandwidth swings with its neighbours' load: measure it next to each
+    // shape so the GB/s below can be read against it.
+    println!("  (read bandwidth now: {:.1} GB/s)", bandwidth::measure_read_bandwidth(256 << 20));
+    let mut run = Runner { isa: a.isa, mats: &mats, next: 0 };
+    for &m in ms {
+        run.time(m, copies);
+    }
+    // ~50 ms per m per round.
+    let t1 = run.time(ms[0], 3);
+    let calls = ((0.05 / t1) as usize).clamp(3, 400);
+    let rounds = if a.quick { 3 } else { 9 };
+    let mut times = vec![Vec::new(); ms.len()];
+    let mut ratios = vec![Vec::new(); ms.len()];
+    for _ in 0..rounds {
+        let t: Vec<f64> = ms.iter().map(|&m| run.time(m, calls)).collect();
+        for (idx, &ti) in t.iter().enumerate() {
+            times[idx].push(ti);
+            ratios[idx].push(ti / t[0]);
+        }
+    }
+    for (idx, &m) in ms.iter().enumerate() {
+        let best = times[idx].iter().copied().fold(f64::INFINITY, f64::min);
+        let t = median(times[idx].clone());
+        println!(
+            "  [{rows:>6}, {cols:>5}] m={m:<3} {:>8.1} µs (best {:>8.1})  {:>5.1} GB/s  {:>6.1} GFLOP/s  t/t({}) = {:.2}",
+            t * 1e6,
+            best * 1e6,
+            bytes as f64 / t / 1e9,
+            2.0 * (m * rows * cols) as f64 / t / 1e9,
+            ms[0],
+            median(ratios[idx].clone())
+        );
+    }
+}
+
+fn main() {
+    let a = parse_args();
+    println!("isa {} ({} threads), weights {}", a.isa, rayon::current_num_threads(), a.dtype.name());
+    if a.shape.is_none() {
+        let gbs = bandwidth::measure_read_bandwidth(1 << 30);
+        println!("measure_read_bandwidth(1 GiB): {gbs:.1} GB/s");
+    }
+    let ms = a.ms.clone().filter(|v| !v.is_empty()).unwrap_or_else(|| vec![1, 2, 4, 5, 8, 16]);
+    if let Some((rows, cols)) = a.shape {
+        bench_shape(&a, rows, cols, &ms);
+        return;
+    }
+    bench_shape(&a, 6144, 1536, &ms);
+    bench_shape(&a, 1536, 6144, &ms);
+    if !a.quick {
+        bench_shape(&a, 262144, 1536, &ms);
+    }
+    if a.prefill {
+        let ms = [1, 64, 256, 512];
+        bench_shape(&a, 6144, 1536, &ms);
+        bench_shape(&a, 1536, 6144, &ms);
+    }
+    if a.small {
+        // Where threading starts to pay: compare with `--threads 1`.
+        for (rows, cols) in [(64, 1536), (128, 1536), (256, 1536), (512, 1536), (1024, 1536), (1536, 256), (1536, 512)] {
+            bench_shape(&a, rows, cols, &[1, 4, 16]);
+        }
+    }
+}

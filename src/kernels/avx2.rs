@@ -1,0 +1,465 @@
+//! AVX2 + FMA + F16C kernels, 8 f32 lanes: the same scheme as `avx512` at half the width.
+//!
+//! With only 16 ymm registers a matmul tile has at most 12 accumulators (see `plan`). AVX2 has no
+//! masked 16-bit loads, so a K tail shorter than a vector is copied into a zeroed stack buffer
+//! first; f32 tails use `vmaskmovps` (masked-off lanes never fault).
+
+use super::x86::{drive, Prefetch};
+use super::tiling::{pack_panels, Plan, Tile};
+use super::{DType, MatRef, Split};
+use std::arch::x86_64::*;
+
+pub fn supported() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+}
+
+/// Tile shape for `m` activation rows, ≤ 12 accumulators (16 ymm registers in all): a single
+/// group, i.e. one pass over the weights, up to m = 12; larger m in groups of 4 with K chunks.
+fn plan(m: usize, k: usize, step: usize, x_bytes: usize, w_bytes: usize) -> Plan {
+    let (rows, group) = match m {
+        0..=2 => (4, m.max(1)),
+        3..=5 => (2, m),
+        6..=12 => (1, m),
+        _ => (2, 4),
+    };
+    Plan::new(m, k, rows, group, step, x_bytes, w_bytes)
+}
+
+/// Every tile shape `plan` produces (tails use 1 weight row with the same x rows).
+macro_rules! shapes {
+    ($mac:ident!($($args:tt)*)) => {
+        $mac!($($args)* [
+            (4, 1), (4, 2),
+            (2, 1), (2, 2), (2, 3), (2, 4), (2, 5),
+            (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7), (1, 8), (1, 9), (1, 10), (1, 11), (1, 12),
+        ])
+    };
+}
+
+/// A tile's accumulators, parked in memory between K chunks (row-major `rows × group`, ≤ 12).
+type Acc = [__m256; 12];
+
+fn acc_storage(n: usize) -> Vec<Acc> {
+    // SAFETY: __m256 is plain data; any bit pattern (here zeros) is a valid value.
+    vec![unsafe { std::mem::zeroed::<Acc>() }; n]
+}
+
+pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
+    assert!(supported(), "AVX2 kernels on a CPU without AVX2/FMA/F16C");
+    let k = w.cols;
+    match w.dtype {
+        DType::BF16 => {
+            let plan = plan(m, k, 16, 4, 2);
+            // SAFETY: the CPU has the features, asserted above.
+            let xp = pack_panels(x, m, k, 16, plan.group, |src, dst| unsafe { pack_bf16_eo(src, dst) });
+            shapes!(drive!(tile_bf16, acc_storage, xp, m, w, out, split, plan,));
+        }
+        DType::F16 => {
+            let plan = plan(m, k, 8, 4, 2);
+            let xp = pack_panels(x, m, k, 8, plan.group, |src, dst| dst[..src.len()].copy_from_slice(src));
+            shapes!(drive!(tile_f16, acc_storage, xp, m, w, out, split, plan,));
+        }
+        DType::F32 => {
+            let plan = plan(m, k, 8, 4, 4);
+            let xp = pack_panels(x, m, k, 8, plan.group, |src, dst| dst[..src.len()].copy_from_slice(src));
+            shapes!(drive!(tile_f32, acc_storage, xp, m, w, out, split, plan,));
+        }
+    }
+}
+
+/// `vmaskmovps` mask selecting the first `min(n, 8)` lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn tail_mask(n: usize) -> __m256i {
+    _mm256_cmpgt_epi32(_mm256_set1_epi32(n.min(8) as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+}
+
+/// `x` rounded to the nearest bf16 (ties to even, NaN kept quiet), as f32; as `half::bf16::from_f32`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn round_bf16(x: __m256) -> __m256 {
+    let b = _mm256_castps_si256(x);
+    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+    let rounded = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    let quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x0040_0000));
+    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+    let v = _mm256_blendv_epi8(rounded, quiet, nan);
+    _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xffff_0000u32 as i32)))
+}
+
+/// Round ≤ 16 activations to bf16 and store them as f32, the 8 even-indexed then the 8 odd-indexed
+/// ones (zero-padded), matching the shift / mask widening of 16 packed bf16 weights.
+///
+/// # Safety
+/// Needs AVX2; `src.len() <= 16`, `dst.len() == 16`.
+#[target_feature(enable = "avx2")]
+unsafe fn pack_bf16_eo(src: &[f32], dst: &mut [f32]) {
+    assert!(src.len() <= 16 && dst.len() == 16);
+    let (n, p) = (src.len(), src.as_ptr());
+    let a = round_bf16(_mm256_maskload_ps(p, tail_mask(n)));
+    let b = if n > 8 { round_bf16(_mm256_maskload_ps(p.add(8), tail_mask(n - 8))) } else { _mm256_setzero_ps() };
+    // shuffle gives [a0 a2 b0 b2 | a4 a6 b4 b6]; the 64-bit permute puts the a's first.
+    let even = _mm256_shuffle_ps::<0b10_00_10_00>(a, b);
+    let odd = _mm256_shuffle_ps::<0b11_01_11_01>(a, b);
+    _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(even))));
+    _mm256_storeu_ps(dst.as_mut_ptr().add(8), _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(odd))));
+}
+
+/// Sums of `a, b, c, d` in the four lanes; each vector goes through the same fixed tree.
+#[inline]
+#[target_feature(enable = "avx")]
+fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+    let s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s))
+}
+
+#[inline]
+#[target_feature(enable = "avx")]
+fn reduce_tile<const R: usize, const C: usize>(acc: &[[__m256; C]; R]) -> [[f32; 4]; C] {
+    let z = _mm256_setzero_ps();
+    let mut res = [[0f32; 4]; C];
+    for c in 0..C {
+        let v = |r: usize| if r < R { acc[r][c] } else { z };
+        // SAFETY: `res[c]` is 16 bytes; unaligned store.
+        unsafe { _mm_storeu_ps(res[c].as_mut_ptr(), hsum4(v(0), v(1), v(2), v(3))) };
+    }
+    res
+}
+
+/// Start a tile call: zeros on the first K chunk, else the parked accumulators.
+#[inline]
+#[target_feature(enable = "avx")]
+fn acc_load<const R: usize, const C: usize>(t: &Tile, acc: &Acc) -> [[__m256; C]; R] {
+    const { assert!(R <= 4 && R * C <= 12, "tile shape must fit hsum4 and Acc") };
+    let mut a = [[_mm256_setzero_ps(); C]; R];
+    if !t.first {
+        for r in 0..R {
+            a[r].copy_from_slice(&acc[r * C..(r + 1) * C]);
+        }
+    }
+    a
+}
+
+/// End a tile call: the reduced sums after the last K chunk, else park the accumulators.
+#[inline]
+#[target_feature(enable = "avx")]
+fn acc_finish<const R: usize, const C: usize>(t: &Tile, a: &[[__m256; C]; R], acc: &mut Acc) -> [[f32; 4]; C] {
+    if t.last {
+        return reduce_tile(a);
+    }
+    for r in 0..R {
+        acc[r * C..(r + 1) * C].copy_from_slice(&a[r]);
+    }
+    [[0.0; 4]; C]
+}
+
+/// `n ≤ 32` bytes from `src`, zero-extended to 32.
+///
+/// # Safety
+/// `src` readable for `bytes` bytes.
+#[inline(always)]
+unsafe fn tail_copy(src: *const u8, bytes: usize) -> [u8; 32] {
+    let mut buf = [0u8; 32];
+    std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), bytes);
+    buf
+}
+
+/// Tile kernel, bf16 weights widened to f32: `R` weight rows × `C` x rows (a `pack_bf16_eo` panel)
+/// over K range `t.k0..t.k1`.
+///
+/// # Safety
+/// AVX2 + FMA; `x` is a panel of `C` rows covering `t.k1` (rounded up to 16), `w` has `R` rows of
+/// `ws` bytes with at least `t.k1` bf16 each.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_bf16<const R: usize, const C: usize>(x: *const f32, w: *const u8, ws: usize, t: &Tile, acc: &mut Acc) -> [[f32; 4]; C] {
+    let mut a = acc_load::<R, C>(t, acc);
+    let hi = _mm256_set1_epi32(0xffff_0000u32 as i32);
+    let mut pf = Prefetch::new(t);
+    let mut kk = t.k0;
+    macro_rules! step {
+        ($p:ident => $load:expr) => {{
+            let xs = x.add(kk * C);
+            for r in 0..R {
+                let $p = w.add(r * ws + kk * 2);
+                let v: __m256i = $load;
+                let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+                let wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+                for c in 0..C {
+                    a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(c * 16)), we, a[r][c]);
+                    a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(c * 16 + 8)), wo, a[r][c]);
+                }
+            }
+        }};
+    }
+    while kk + 16 <= t.k1 {
+        pf.step();
+        step!(p => _mm256_loadu_si256(p as *const _));
+        kk += 16;
+    }
+    if kk < t.k1 {
+        let n = (t.k1 - kk) * 2;
+        step!(p => _mm256_loadu_si256(tail_copy(p, n).as_ptr() as *const _));
+    }
+    acc_finish(t, &a, acc)
+}
+
+/// Tile kernel for weights widened to f32 by `$full` (8 at `$p`) / `$tail` (the last `$n` < 8 at
+/// `$q`); x is a plain f32 panel.
+macro_rules! tile_wide {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $size:literal, |$p:ident| $full:expr, |$q:ident, $n:ident| $tail:expr) => {
+        $(#[$doc])*
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const R: usize, const C: usize>(x: *const f32, w: *const u8, ws: usize, t: &Tile, acc: &mut Acc) -> [[f32; 4]; C] {
+            let mut a = acc_load::<R, C>(t, acc);
+            let mut pf = Prefetch::new(t);
+            let mut kk = t.k0;
+            macro_rules! step {
+                ($wv:ident) => {{
+                    let xs = x.add(kk * C);
+                    for r in 0..R {
+                        for c in 0..C {
+                            a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(c * 8)), $wv[r], a[r][c]);
+                        }
+                    }
+                }};
+            }
+            while kk + 8 <= t.k1 {
+                pf.step();
+                let mut wv = [_mm256_setzero_ps(); R];
+                for r in 0..R {
+                    let $p = w.add(r * ws + kk * $size);
+                    wv[r] = $full;
+                }
+                step!(wv);
+                kk += 8;
+            }
+            if kk < t.k1 {
+                let $n = t.k1 - kk;
+                let mut wv = [_mm256_setzero_ps(); R];
+                for r in 0..R {
+                    let $q = w.add(r * ws + kk * $size);
+                    wv[r] = $tail;
+                }
+                step!(wv);
+            }
+            acc_finish(t, &a, acc)
+        }
+    };
+}
+
+tile_wide!(
+    /// Tile kernel, f16 weights (`vcvtph2ps`). AVX2 has no masked 16-bit load: the tail goes through
+    /// a zeroed stack copy.
+    ///
+    /// # Safety
+    /// AVX2 + FMA + F16C; `x` is a panel of `C` rows covering `t.k1` (rounded up to 8), `w` has `R`
+    /// rows of `ws` bytes with at least `t.k1` f16 each.
+    tile_f16, "avx2,fma,f16c", 2,
+    |p| _mm256_cvtph_ps(_mm_loadu_si128(p as *const _)),
+    |p, n| _mm256_cvtph_ps(_mm_loadu_si128(tail_copy(p, n * 2).as_ptr() as *const _))
+);
+
+tile_wide!(
+    /// Tile kernel, f32 weights (only 2-byte aligned in general: unaligned loads; `vmaskmovps` for
+    /// the tail never touches masked-off lanes).
+    ///
+    /// # Safety
+    /// As `tile_f16`, with f32 weights.
+    tile_f32, "avx2,fma", 4,
+    |p| _mm256_loadu_ps(p as *const f32),
+    |p, n| _mm256_maskload_ps(p as *const f32, tail_mask(n))
+);
+
+// ---- vector kernels ----
+
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    assert!(supported() && a.len() == b.len());
+    // SAFETY: features asserted; equal lengths, masked tail.
+    unsafe { dot_impl(a, b) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_impl(a: &[f32], b: &[f32]) -> f32 {
+    let (n, pa, pb) = (a.len(), a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (u, s) in acc.iter_mut().enumerate() {
+            *s = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8 * u)), _mm256_loadu_ps(pb.add(i + 8 * u)), *s);
+        }
+        i += 32;
+    }
+    while i < n {
+        let mask = tail_mask(n - i);
+        acc[0] = _mm256_fmadd_ps(_mm256_maskload_ps(pa.add(i), mask), _mm256_maskload_ps(pb.add(i), mask), acc[0]);
+        i += 8;
+    }
+    let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    assert!(supported() && x.len() == y.len());
+    // SAFETY: features asserted; equal lengths, masked tail.
+    unsafe { axpy_impl(a, x, y) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_impl(a: f32, x: &[f32], y: &mut [f32]) {
+    let (n, px, py) = (x.len(), x.as_ptr(), y.as_mut_ptr());
+    let av = _mm256_set1_ps(a);
+    let mut i = 0;
+    while i < n {
+        let mask = tail_mask(n - i);
+        let v = _mm256_fmadd_ps(av, _mm256_maskload_ps(px.add(i), mask), _mm256_maskload_ps(py.add(i), mask));
+        _mm256_maskstore_ps(py.add(i), mask, v);
+        i += 8;
+    }
+}
+
+pub fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    assert!(supported() && x.len() == out.len() && w.is_none_or(|w| w.len() == x.len()));
+    // SAFETY: features asserted; all slices have x's length.
+    unsafe { rms_norm_impl(x, w, eps, out) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rms_norm_impl(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    let n = x.len();
+    let ms = dot_impl(x, x) / n as f32;
+    let inv = _mm256_set1_ps(1.0 / (ms + eps).sqrt());
+    let (px, po) = (x.as_ptr(), out.as_mut_ptr());
+    let mut i = 0;
+    while i < n {
+        let mask = tail_mask(n - i);
+        // Same order as the scalar version: (x · inv) · w.
+        let mut v = _mm256_mul_ps(_mm256_maskload_ps(px.add(i), mask), inv);
+        if let Some(w) = w {
+            v = _mm256_mul_ps(v, _mm256_maskload_ps(w.as_ptr().add(i), mask));
+        }
+        _mm256_maskstore_ps(po.add(i), mask, v);
+        i += 8;
+    }
+}
+
+/// e^x to ~1 ulp, as `avx512::exp`, but with 2^n built from exponent bits in two halves (each a
+/// normal number for n in [-150, 128]) since AVX2 has no `vscalefps`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn exp(x: __m256) -> __m256 {
+    // max/min return their second operand when one is NaN, so NaN passes through the clamp.
+    let x = _mm256_min_ps(_mm256_set1_ps(89.0), _mm256_max_ps(_mm256_set1_ps(-104.0), x));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+    let ni = _mm256_cvtps_epi32(n);
+    let n1 = _mm256_srai_epi32::<1>(ni);
+    let n2 = _mm256_sub_epi32(ni, n1);
+    let pow2 = |e: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(e, _mm256_set1_epi32(127))));
+    let v = _mm256_mul_ps(_mm256_mul_ps(y, pow2(n1)), pow2(n2));
+    // NaN input: the integer path above produced garbage exponents; keep the NaN.
+    _mm256_blendv_ps(v, x, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
+}
+
+pub fn softmax(x: &mut [f32]) {
+    assert!(supported());
+    // SAFETY: features asserted; masked accesses stay inside `x`.
+    unsafe { softmax_impl(x) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_impl(x: &mut [f32]) {
+    let (n, p) = (x.len(), x.as_mut_ptr());
+    let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+    // Lanes past the end read as -inf (max ignores them, exp makes them 0).
+    let load = |i: usize| {
+        let mask = tail_mask(n - i);
+        _mm256_blendv_ps(ninf, _mm256_maskload_ps(p.add(i), mask), _mm256_castsi256_ps(mask))
+    };
+    let mut mx = ninf;
+    let mut i = 0;
+    while i < n {
+        mx = _mm256_max_ps(mx, load(i));
+        i += 8;
+    }
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
+    let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    let max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    if max == f32::NEG_INFINITY {
+        x.fill(0.0);
+        return;
+    }
+    let (mv, mut sum) = (_mm256_set1_ps(max), _mm256_setzero_ps());
+    i = 0;
+    while i < n {
+        let e = exp(_mm256_sub_ps(load(i), mv));
+        sum = _mm256_add_ps(sum, e);
+        _mm256_maskstore_ps(p.add(i), tail_mask(n - i), e);
+        i += 8;
+    }
+    let s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps::<1>(sum));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let inv = _mm256_set1_ps(1.0 / _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s))));
+    i = 0;
+    while i < n {
+        let mask = tail_mask(n - i);
+        _mm256_maskstore_ps(p.add(i), mask, _mm256_mul_ps(_mm256_maskload_ps(p.add(i), mask), inv));
+        i += 8;
+    }
+}
+
+pub fn gelu_tanh(x: &mut [f32]) {
+    assert!(supported());
+    // SAFETY: features asserted; masked accesses stay inside `x`.
+    unsafe { gelu_impl(x) }
+}
+
+/// u / (1 + e^(-2y)) with y = √(2/π)·(u + 0.044715·u³); see `avx512::gelu_impl`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gelu_impl(x: &mut [f32]) {
+    let (n, p) = (x.len(), x.as_mut_ptr());
+    let (c, a, m2, one) = (_mm256_set1_ps(0.797_884_6), _mm256_set1_ps(0.044715), _mm256_set1_ps(-2.0), _mm256_set1_ps(1.0));
+    let mut i = 0;
+    while i < n {
+        let mask = tail_mask(n - i);
+        let u = _mm256_maskload_ps(p.add(i), mask);
+        let cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(a, u), u), u);
+        let y = _mm256_mul_ps(c, _mm256_add_ps(u, cube));
+        let g = _mm256_div_ps(u, _mm256_add_ps(one, exp(_mm256_mul_ps(m2, y))));
+        _mm256_maskstore_ps(p.add(i), mask, g);
+        i += 8;
+    }
+}
+
+/// XOR of all 32-byte blocks of `buf` (whole blocks only): touches every byte, for bandwidth tests.
+pub fn read_xor(buf: &[u8]) -> u64 {
+    assert!(supported());
+    // SAFETY: features asserted; reads whole 32-byte blocks inside `buf`.
+    unsafe { read_xor_impl(buf) }
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn read_xor_impl(buf: &[u8]) -> u64 {
+    let mut acc = [_mm256_setzero_si256(); 8];
+    let p = buf.as_ptr();
+    let blocks = buf.len() / 256;
+    for b in 0..blocks {
+        for (u, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_xor_si256(*a, _mm256_loadu_si256(p.add(b * 256 + u * 32) as *const _));
+        }
+    }
+    for b in blocks * 8..buf.len() / 32 {
+        acc[0] = _mm256_xor_si256(acc[0], _mm256_loadu_si256(p.add(b * 32) as *const _));
+    }
+    let v = acc.into_iter().fold(_mm256_setzero_si256(), |s, a| _mm256_xor_si256(s, a));
+    let mut lanes = [0u64; 4];
+    _mm256_storeu_si256(lanes.as_mut_ptr() as *mut _, v);
+    lanes.iter().fold(0, |s, l| s ^ l)
+}

@@ -1,0 +1,81 @@
+//! AVX512_BF16 matmul for bf16 weights: `vdpbf16ps` multiplies 32 bf16 pairs and adds them into 16
+//! f32 lanes in one instruction, so weights are used as stored, with no widening. The activations are
+//! rounded to bf16 once per call (exactly what the reference does) and packed in natural order (in
+//! panels, see `pack_panels`): lane `l` accumulates `x[2l]·w[2l] + x[2l+1]·w[2l+1]`. Everything else
+//! falls back to `avx512`.
+//!
+//! Note that `vdpbf16ps` treats denormal inputs as zero and flushes denormal results; bf16 values that
+//! small (< 1.2e-38) do not occur in practice, and the tests' tolerance covers the difference.
+
+use super::avx512::{acc_finish, acc_load, acc_storage, plan, round_bf16_bits, shapes, Acc};
+use super::x86::{drive, Prefetch};
+use super::tiling::{pack_panels, Tile};
+use super::{DType, MatRef, Split};
+use std::arch::x86_64::*;
+
+pub fn supported() -> bool {
+    super::avx512::supported() && is_x86_feature_detected!("avx512bf16")
+}
+
+pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
+    assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
+    assert_eq!(w.dtype, DType::BF16);
+    let plan = plan(m, w.cols, false, 32, 2, 2);
+    // SAFETY: the CPU has the features, asserted above.
+    let xp = pack_panels(x, m, w.cols, 32, plan.group, |src, dst| unsafe { pack_bf16(src, dst) });
+    shapes!(drive!(tile, acc_storage, xp, m, w, out, split, plan,));
+}
+
+/// Round ≤ 32 activations to bf16 bits (zero-padded to 32).
+///
+/// # Safety
+/// Needs AVX-512 F/BW/VL; `src.len() <= 32`, `dst.len() == 32`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn pack_bf16(src: &[f32], dst: &mut [u16]) {
+    assert!(src.len() <= 32 && dst.len() == 32);
+    for (h, d) in src.chunks(16).zip(dst.chunks_mut(16)) {
+        let mask = if h.len() >= 16 { !0 } else { (1u16 << h.len()) - 1 };
+        let bits = _mm512_srli_epi32::<16>(round_bf16_bits(_mm512_maskz_loadu_ps(mask, h.as_ptr())));
+        _mm256_storeu_si256(d.as_mut_ptr() as *mut _, _mm512_cvtepi32_epi16(bits));
+    }
+}
+
+/// Tile kernel: `R` weight rows × `C` x rows (a `pack_bf16` panel) over K range `t.k0..t.k1`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL + BF16; `x` is a panel of `C` rows covering `t.k1` (rounded up to 32), `w` has
+/// `R` rows of `ws` bytes with at least `t.k1` bf16 each.
+#[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
+unsafe fn tile<const R: usize, const C: usize>(x: *const u16, w: *const u8, ws: usize, t: &Tile, acc: &mut Acc) -> [[f32; 4]; C] {
+    let mut a = acc_load::<R, C>(t, acc);
+    let mut pf = Prefetch::new(t);
+    let mut kk = t.k0;
+    // One step: 32 bf16 per weight row, loaded by `$load` from `$p`. (`__m512bh` is 32 × u16 in a
+    // zmm; the transmutes only retype.)
+    macro_rules! step {
+        ($p:ident => $load:expr) => {{
+            let mut wv = [_mm512_setzero_si512(); R];
+            for r in 0..R {
+                let $p = w.add(r * ws + kk * 2);
+                wv[r] = $load;
+            }
+            let xs = x.add(kk * C);
+            for c in 0..C {
+                let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(xs.add(c * 32) as *const _));
+                for r in 0..R {
+                    a[r][c] = _mm512_dpbf16_ps(a[r][c], xv, std::mem::transmute::<__m512i, __m512bh>(wv[r]));
+                }
+            }
+        }};
+    }
+    while kk + 32 <= t.k1 {
+        pf.step();
+        step!(p => _mm512_loadu_si512(p as *const _));
+        kk += 32;
+    }
+    if kk < t.k1 {
+        let mask = (1u32 << (t.k1 - kk)) - 1;
+        step!(p => _mm512_maskz_loadu_epi16(mask, p as *const i16));
+    }
+    acc_finish(t, &a, acc)
+}

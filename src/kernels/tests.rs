@@ -1,0 +1,334 @@
+//! Every SIMD path this CPU can run against the scalar reference.
+
+use super::*;
+
+/// splitmix64: small, seeded, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32() * scale).collect()
+    }
+}
+
+fn simd_isas() -> Vec<Isa> {
+    Isa::available().into_iter().filter(|&i| i != Isa::Scalar).collect()
+}
+
+/// A weight matrix stored 2 bytes past a 4-byte boundary, as a memory-mapped tensor can be.
+struct Weights {
+    buf: Vec<u8>,
+    off: usize,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+}
+
+impl Weights {
+    fn new(dtype: DType, rows: usize, cols: usize, vals: &[f32]) -> Self {
+        let mut bytes = Vec::with_capacity(vals.len() * dtype.size());
+        for &v in vals {
+            match dtype {
+                DType::F32 => bytes.extend_from_slice(&v.to_le_bytes()),
+                DType::BF16 => bytes.extend_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes()),
+                DType::F16 => bytes.extend_from_slice(&f16::from_f32(v).to_bits().to_le_bytes()),
+            }
+        }
+        let mut buf = vec![0u8; bytes.len() + 8];
+        let off = (0..4).find(|o| (buf.as_ptr() as usize + o) % 4 == 2).unwrap_or(2);
+        buf[off..off + bytes.len()].copy_from_slice(&bytes);
+        Weights { buf, off, dtype, rows, cols }
+    }
+    fn random(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Self {
+        Self::new(dtype, rows, cols, &rng.vec(rows * cols, 1.0))
+    }
+    fn mat(&self) -> MatRef<'_> {
+        let len = self.rows * self.cols * self.dtype.size();
+        MatRef::new(self.dtype, self.rows, self.cols, &self.buf[self.off..self.off + len])
+    }
+}
+
+/// Σ_k |x·w| per output: the scale of the rounding error of any summation order.
+fn abs_scale(x: &[f32], m: usize, w: MatRef) -> Vec<f32> {
+    let absx: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+    let mut wa = vec![0f32; w.rows * w.cols];
+    for j in 0..w.rows {
+        w.row_f32(j, &mut wa[j * w.cols..(j + 1) * w.cols]);
+    }
+    let wa: Vec<u8> = wa.iter().flat_map(|v| v.abs().to_le_bytes()).collect();
+    let mut out = vec![0f32; m * w.rows];
+    scalar::matmul(&absx, m, MatRef::new(DType::F32, w.rows, w.cols, &wa), &mut out);
+    out
+}
+
+fn check_matmul(isa: Isa, rng: &mut Rng, dtype: DType, rows: usize, cols: usize, m: usize) {
+    let w = Weights::random(rng, dtype, rows, cols);
+    let x = rng.vec(m * cols, 2.0);
+    let mut want = vec![0f32; m * rows];
+    scalar::matmul(&x, m, w.mat(), &mut want);
+    let mut got = vec![f32::NAN; m * rows];
+    matmul_with(isa, &x, m, w.mat(), &mut got);
+    let scale = abs_scale(&x, m, w.mat());
+    let tol = 2e-6 * (cols as f32).sqrt().max(1.0);
+    for (e, ((g, v), s)) in got.iter().zip(&want).zip(&scale).enumerate() {
+        assert!(
+            (g - v).abs() <= tol * s + 1e-30,
+            "{isa} {dtype:?} [{rows}x{cols}] m={m}: out[{}, {}] = {g}, scalar {v} (Σ|xw| = {s})",
+            e / rows,
+            e % rows
+        );
+    }
+}
+
+#[test]
+fn matmul_matches_scalar_on_odd_shapes() {
+    let mut rng = Rng(1);
+    for isa in simd_isas() {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            for rows in [1, 3, 4, 5, 17] {
+                for cols in [1, 7, 8, 16, 31, 33, 64, 100] {
+                    for m in (1..=17).chain([24, 33]) {
+                        check_matmul(isa, &mut rng, dtype, rows, cols, m);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_matches_scalar_on_larger_shapes() {
+    let mut rng = Rng(2);
+    for isa in simd_isas() {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            // Long rows (several vectors plus a tail), more rows than one thread chunk.
+            check_matmul(isa, &mut rng, dtype, 203, 1000, 5);
+            // Rows this long make the activation block smaller than m: several x blocks.
+            check_matmul(isa, &mut rng, dtype, 9, 9001, 37);
+            // One group whose x panel overflows L1: K chunks outside the tile loop.
+            check_matmul(isa, &mut rng, dtype, 29, 5003, 8);
+            check_matmul(isa, &mut rng, dtype, 7, 4100, 6);
+            check_matmul(isa, &mut rng, dtype, 11, 3000, 12);
+            check_matmul(isa, &mut rng, dtype, 6, 7000, 4);
+            check_matmul(isa, &mut rng, dtype, 5, 9000, 5);
+        }
+    }
+}
+
+#[test]
+fn matmul_empty_shapes() {
+    for isa in Isa::available() {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            // cols = 0: every output is an empty sum.
+            let w = Weights::new(dtype, 3, 0, &[]);
+            let mut out = vec![f32::NAN; 6];
+            matmul_with(isa, &[], 2, w.mat(), &mut out);
+            assert!(out.iter().all(|&v| v == 0.0), "{isa} {dtype:?}");
+            // rows = 0 or m = 0: nothing to do.
+            let w = Weights::new(dtype, 0, 5, &[]);
+            matmul_with(isa, &[0.0; 10], 2, w.mat(), &mut []);
+            let w = Weights::new(dtype, 2, 5, &[0.5; 10]);
+            matmul_with(isa, &[], 0, w.mat(), &mut []);
+        }
+    }
+}
+
+/// With an identity bf16 matrix the product is exact, so this checks that every path rounds the
+/// activations to bf16 exactly as the reference does (ties to even included).
+#[test]
+fn matmul_bf16_rounds_activations_like_reference() {
+    let k = 77;
+    let mut eye = vec![0f32; k * k];
+    for j in 0..k {
+        eye[j * k + j] = 1.0;
+    }
+    let w = Weights::new(DType::BF16, k, k, &eye);
+    let mut rng = Rng(3);
+    let mut x = rng.vec(2 * k, 3.0);
+    // Exact ties: halfway between two bf16 values, even and odd low mantissa bit.
+    x[0] = f32::from_bits(0x3f80_8000);
+    x[1] = f32::from_bits(0x3f81_8000);
+    x[2] = f32::from_bits(0xbf80_8000);
+    for isa in Isa::available() {
+        let mut got = vec![0f32; 2 * k];
+        matmul_with(isa, &x, 2, w.mat(), &mut got);
+        for (g, v) in got.iter().zip(&x) {
+            assert_eq!(g.to_bits(), DType::BF16.round(*v).to_bits(), "{isa}: {v}");
+        }
+    }
+}
+
+/// Each output element is computed by one thread in a fixed order: the split and the pool size must
+/// not change a single bit, and neither may the number of activation rows (batch invariance).
+#[test]
+fn matmul_is_bit_exact_across_threads_and_batch() {
+    let mut rng = Rng(4);
+    let pool1 = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let pool3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    for isa in simd_isas() {
+        for (dtype, rows, cols) in [(DType::BF16, 203, 77), (DType::F16, 203, 77), (DType::F32, 203, 77), (DType::BF16, 31, 3001), (DType::F32, 31, 3001)] {
+            let w = Weights::random(&mut rng, dtype, rows, cols);
+            for m in [1, 5, 8, 16] {
+                let x = rng.vec(m * cols, 1.0);
+                let run = |split: Split| {
+                    let mut out = vec![0f32; m * rows];
+                    matmul_split(isa, &x, m, w.mat(), &mut out, split);
+                    out
+                };
+                let inline = run(Split::Auto);
+                let one = pool1.install(|| run(Split::Rows(8)));
+                let three = pool3.install(|| run(Split::Rows(8)));
+                let odd = pool3.install(|| run(Split::Rows(13)));
+                for (name, other) in [("1 thread", &one), ("3 threads", &three), ("chunks of 13", &odd)] {
+                    assert!(inline.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa} {dtype:?} m={m}: {name}");
+                }
+                for i in 0..m {
+                    let mut single = vec![0f32; rows];
+                    matmul_with(isa, &x[i * cols..(i + 1) * cols], 1, w.mat(), &mut single);
+                    let row = &inline[i * rows..(i + 1) * rows];
+                    assert!(row.iter().zip(&single).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa} {dtype:?} m={m} row {i}: batch variance");
+                }
+            }
+        }
+    }
+}
+
+const LENS: [usize; 12] = [0, 1, 7, 8, 15, 16, 17, 33, 100, 256, 512, 1001];
+
+#[test]
+fn dot_and_axpy_match_scalar() {
+    let mut rng = Rng(5);
+    for isa in simd_isas() {
+        for n in LENS {
+            let (a, b) = (rng.vec(n, 1.0), rng.vec(n, 1.0));
+            let s: f32 = a.iter().zip(&b).map(|(x, y)| (x * y).abs()).sum();
+            let (got, want) = (dot_with(isa, &a, &b), scalar::dot(&a, &b));
+            assert!((got - want).abs() <= 1e-6 * (n as f32).sqrt() * s, "{isa} dot n={n}: {got} vs {want}");
+
+            let alpha = rng.f32();
+            let (mut y1, mut y2) = (b.clone(), b.clone());
+            axpy_with(isa, alpha, &a, &mut y1);
+            scalar::axpy(alpha, &a, &mut y2);
+            for i in 0..n {
+                let tol = 2.4e-7 * (b[i].abs() + (alpha * a[i]).abs());
+                assert!((y1[i] - y2[i]).abs() <= tol, "{isa} axpy n={n} i={i}: {} vs {}", y1[i], y2[i]);
+            }
+        }
+    }
+}
+
+#[test]
+fn rms_norm_matches_scalar() {
+    let mut rng = Rng(6);
+    for isa in simd_isas() {
+        for n in LENS.into_iter().filter(|&n| n > 0) {
+            let (x, g) = (rng.vec(n, 3.0), rng.vec(n, 1.0));
+            for w in [Some(&g[..]), None] {
+                let (mut o1, mut o2) = (vec![0f32; n], vec![0f32; n]);
+                rms_norm_with(isa, &x, w, 1e-6, &mut o1);
+                scalar::rms_norm(&x, w, 1e-6, &mut o2);
+                for (a, b) in o1.iter().zip(&o2) {
+                    assert!((a - b).abs() <= 4e-6 * b.abs().max(1e-6), "{isa} rms_norm n={n}: {a} vs {b}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn softmax_matches_reference() {
+    let mut rng = Rng(7);
+    for isa in simd_isas() {
+        for n in LENS {
+            let mut x = rng.vec(n, 30.0);
+            // Masked positions.
+            for i in (0..n).step_by(3) {
+                x[i] = f32::NEG_INFINITY;
+            }
+            let (mut got, mut sc) = (x.clone(), x.clone());
+            softmax_with(isa, &mut got);
+            scalar::softmax(&mut sc);
+            // f64 reference: the SIMD sum uses many partial sums, so it is compared at 1e-6
+            // relative; the scalar reference's long sequential sum can itself be off by more.
+            // (x - max is rounded to f32 first, as every version does: that rounding alone moves
+            // exp by up to |x - max|·2⁻²⁴ relative.)
+            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f64> = x.iter().map(|&v| ((v - max) as f64).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for i in 0..n {
+                let want = if max == f32::NEG_INFINITY { 0.0 } else { e[i] / sum };
+                let tol = 1e-6 * want + 1e-37;
+                assert!((got[i] as f64 - want).abs() <= tol, "{isa} softmax n={n} i={i}: {} vs {want}", got[i]);
+                assert!((got[i] - sc[i]).abs() <= 1e-5 * sc[i] + 1e-37, "{isa} softmax vs scalar n={n} i={i}");
+                if x[i] == f32::NEG_INFINITY {
+                    assert_eq!(got[i], 0.0);
+                }
+            }
+        }
+        let mut all_masked = vec![f32::NEG_INFINITY; 37];
+        softmax_with(isa, &mut all_masked);
+        assert!(all_masked.iter().all(|&v| v == 0.0), "{isa}: all -inf row");
+    }
+}
+
+#[test]
+fn gelu_matches_reference() {
+    let mut rng = Rng(8);
+    for isa in simd_isas() {
+        for n in LENS {
+            let mut x = rng.vec(n, 6.0);
+            for (i, v) in [0.0, -0.0, 1e-30, -1e-30, 12.0, -12.0, 100.0, -100.0, 3e38, -3e38].into_iter().enumerate() {
+                if i < n {
+                    x[i] = v;
+                }
+            }
+            let (mut got, mut sc) = (x.clone(), x.clone());
+            gelu_tanh_with(isa, &mut got);
+            scalar::gelu_tanh(&mut sc);
+            for i in 0..n {
+                let u = x[i] as f64;
+                let y = 0.797_884_560_802_865_4 * (u + 0.044715 * u * u * u);
+                let want = 0.5 * u * (1.0 + y.tanh());
+                let g = got[i] as f64;
+                // y itself is computed in f32 (relative error ~1e-7), which moves e^(-2y) by ~|y|·1e-7.
+                let tol = 1e-6 * (1.0 + y.abs().min(1e3)) * want.abs() + 1e-37;
+                assert!((g - want).abs() <= tol, "{isa} gelu({u}) = {g}, want {want}");
+                // The scalar version loses relative accuracy where 1 + tanh cancels (x ≪ 0).
+                let s = sc[i] as f64;
+                assert!((g - s).abs() <= 1e-6 * s.abs() + 1e-7 * u.abs(), "{isa} gelu({u}) = {g}, scalar {s}");
+            }
+        }
+        let mut nan = [f32::NAN; 3];
+        gelu_tanh_with(isa, &mut nan);
+        assert!(nan.iter().all(|v| v.is_nan()), "{isa}: gelu(NaN)");
+    }
+}
+
+#[test]
+fn isa_names_parse_and_order() {
+    for isa in Isa::ALL {
+        assert_eq!(Isa::parse(isa.name()), Some(isa));
+        assert_eq!(Isa::parse(&isa.name().to_uppercase()), Some(isa));
+    }
+    assert_eq!(Isa::parse("sse9"), None);
+    assert!(Isa::Scalar < Isa::Avx2 && Isa::Avx2 < Isa::Avx512 && Isa::Avx512 < Isa::Avx512Bf16);
+    assert!(isa() <= Isa::detected());
+    assert_eq!(Isa::available().first(), Some(&Isa::Scalar));
+}
+
+#[test]
+fn bandwidth_is_positive() {
+    let gbs = bandwidth::measure_read_bandwidth(4 << 20);
+    assert!(gbs.is_finite() && gbs > 0.0);
+}

@@ -1,0 +1,308 @@
+//! How the SIMD matmuls cut their work: threads over weight-row chunks (`for_row_chunks`), tiles
+//! and cache blocks within a chunk (`Plan`, `for_tiles`), activations packed into panels
+//! (`pack_panels`). Safe Rust; the SIMD files supply the tile kernels.
+
+use super::{MatRef, Split};
+use rayon::prelude::*;
+
+/// Thread chunks are multiples of this many weight rows, so that every tile height the kernels use
+/// (1 to 4 rows) divides them.
+const CHUNK_ROW_MULTIPLE: usize = 12;
+
+/// Below this many bytes of weights (and little compute) a matmul runs on the calling thread: waking
+/// rayon's pool costs ~5 µs here, which a matrix smaller than ~1 MiB does not win back at m = 1
+/// (measured with `examples/matmul_bench.rs --small` on a 2-core Zen 5).
+const PAR_MIN_BYTES: usize = 1 << 20;
+/// ... unless it has this many multiply-adds (prefill on a small matrix is compute-bound).
+const PAR_MIN_MACS: usize = 4 << 20;
+/// Chunks per thread when splitting: more than one so a thread slowed by a noisy neighbour hands
+/// work to the others (rayon steals whole chunks).
+const CHUNKS_PER_THREAD: usize = 8;
+/// But no chunk smaller than this many bytes of weights.
+const MIN_CHUNK_BYTES: usize = 64 << 10;
+
+/// Rows per thread chunk, or `None` to run on the calling thread.
+fn chunk_rows(w: MatRef, m: usize, split: Split) -> Option<usize> {
+    let n = w.rows;
+    let rows = match split {
+        Split::Rows(r) => r.max(1),
+        Split::Auto => {
+            let threads = rayon::current_num_threads();
+            let bytes = w.data.len();
+            if threads <= 1 || (bytes < PAR_MIN_BYTES && m.saturating_mul(n * w.cols) < PAR_MIN_MACS) {
+                return None;
+            }
+            let row_bytes = (w.cols * w.dtype.size()).max(1);
+            (n / (threads * CHUNKS_PER_THREAD)).max(MIN_CHUNK_BYTES / row_bytes)
+        }
+    };
+    let rows = rows.div_ceil(CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE;
+    (rows < n).then_some(rows)
+}
+
+/// Run `f(w_chunk, out_chunk)` over contiguous chunks of weight rows, in parallel when worth it.
+/// `out_chunk[i]` is the part of output row `i` that belongs to the chunk's weight rows. Each output
+/// element is computed by exactly one call, so the result is independent of the split.
+pub(crate) fn for_row_chunks<F>(w: MatRef, m: usize, out: &mut [f32], split: Split, f: F)
+where
+    F: Fn(MatRef, &mut [&mut [f32]]) + Sync,
+{
+    let n = w.rows;
+    if m == 0 || n == 0 {
+        return;
+    }
+    let Some(rows) = chunk_rows(w, m, split) else {
+        let mut outs: Vec<&mut [f32]> = out.chunks_mut(n).collect();
+        f(w, &mut outs);
+        return;
+    };
+    let nchunks = n.div_ceil(rows);
+    let mut pieces: Vec<Vec<&mut [f32]>> = (0..nchunks).map(|_| Vec::with_capacity(m)).collect();
+    for row in out.chunks_mut(n) {
+        for (p, piece) in pieces.iter_mut().zip(row.chunks_mut(rows)) {
+            p.push(piece);
+        }
+    }
+    pieces.into_par_iter().enumerate().for_each(|(c, mut outs)| {
+        let start = c * rows;
+        f(w.slice_rows(start, rows.min(n - start)), &mut outs);
+    });
+}
+
+/// x packed by [`pack_panels`]: `data()` starts on a 64-byte boundary.
+pub(crate) struct Panels<T> {
+    buf: Vec<T>,
+    off: usize,
+    len: usize,
+    /// Padded row length.
+    pub kp: usize,
+}
+
+impl<T> Panels<T> {
+    pub fn data(&self) -> &[T] {
+        &self.buf[self.off..self.off + self.len]
+    }
+}
+
+/// Lay `x` (`[m, k]`) out as the tile kernels read it: x rows in groups of `group` (the last one may
+/// be shorter), each group a panel where K step `s` holds the `step`-element slices of the group's
+/// rows one after the other. A kernel then finds row `c` of its group at `panel + kk·C + c·step`:
+/// constant offsets from one pointer, and one sequential stream. `convert(src, dst)` fills the
+/// `step` elements of `dst` (zeroed) from the ≤ `step` of `src`. Group `g`'s panel starts at
+/// `g · group · kp`.
+///
+/// The panels are 64-byte aligned (with 64-byte steps, every vector load then stays within one
+/// cache line): a load split over two lines costs twice, and with 8 x rows per tile that alone made
+/// the kernel load-bound, depending on where `malloc` happened to put the buffer.
+pub(crate) fn pack_panels<T: Copy + Default>(x: &[f32], m: usize, k: usize, step: usize, group: usize, mut convert: impl FnMut(&[f32], &mut [T])) -> Panels<T> {
+    let (step, group) = (step.max(1), group.max(1));
+    let kp = k.div_ceil(step) * step;
+    let len = m * kp;
+    let slack = 64 / std::mem::size_of::<T>().max(1);
+    let mut buf = vec![T::default(); len + slack];
+    let off = buf.as_ptr().align_offset(64).min(slack);
+    let out = &mut buf[off..off + len];
+    for g0 in (0..m).step_by(group) {
+        let c_n = group.min(m - g0);
+        let panel = &mut out[g0 * kp..(g0 + c_n) * kp];
+        for c in 0..c_n {
+            let row = &x[(g0 + c) * k..(g0 + c + 1) * k];
+            for (s, src) in row.chunks(step).enumerate() {
+                let at = (s * c_n + c) * step;
+                convert(src, &mut panel[at..at + step]);
+            }
+        }
+    }
+    Panels { buf, off, len, kp }
+}
+
+/// Half of L1 (48 KiB on Zen 5): what the blocking below lets the reused operands occupy.
+const L1_BUDGET: usize = 24 << 10;
+/// Packed x bytes per cache block: a block's panels stay in L2 (1 MiB per core on Zen 5) next to
+/// the weight tiles.
+const X_BLOCK_BYTES: usize = 512 << 10;
+/// L1 bytes for k-outer order: the x chunk, which stays, plus the chunk of the weight tile at work
+/// and of the next one being prefetched, which stream through.
+const K_OUTER_L1_BYTES: usize = 40 << 10;
+
+/// How a SIMD matmul walks its product (see [`for_tiles`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Plan {
+    /// Weight rows per tile (the last `n % rows` rows go one at a time).
+    pub rows: usize,
+    /// x rows per group: one register tile is `rows × group` accumulators.
+    pub group: usize,
+    /// x rows per cache block (a multiple of `group`).
+    pub block: usize,
+    /// K elements per chunk (all of K when there is nothing to reuse across chunks).
+    pub kc: usize,
+    /// K elements per kernel step.
+    pub step: usize,
+    /// Chunks outside tiles: see [`for_tiles`].
+    pub k_outer: bool,
+}
+
+impl Plan {
+    /// The plan for `m` x rows of `k` elements (`x_bytes` each once packed) against weights of
+    /// `w_bytes` per element, with register tiles of `rows × group` and a kernel step of `step`.
+    pub fn new(m: usize, k: usize, rows: usize, group: usize, step: usize, x_bytes: usize, w_bytes: usize) -> Plan {
+        let (rows, group, step) = (rows.max(1), group.max(1), step.max(1));
+        let kp = k.div_ceil(step) * step;
+        // x rows per block: their panels stay in L2 next to the weight tile. Never fewer than 16
+        // (decode and verification stream each weight from memory exactly once) and whole groups
+        // (groups never straddle blocks, matching `pack_panels`).
+        let block = (X_BLOCK_BYTES / (kp * x_bytes).max(1)).max(16) / group * group;
+        let single = m <= group;
+        let x_panel = group * kp * x_bytes;
+        // One group whose x panel does not fit L1 and is re-read for every tile (at least as many
+        // x bytes as weight bytes): chunk K so that the x chunk stays in L1 next to the weight
+        // chunks streaming through, and sweep all the tiles per chunk. On Zen 5 with K = 6144 that
+        // takes m = 5..12 from 1.5-2x the time of m = 1 to 1.1-1.5x.
+        let kc_x = K_OUTER_L1_BYTES / (group * x_bytes + 2 * rows * w_bytes);
+        let (kc, k_outer) = if single && x_panel > L1_BUDGET && rows >= 2 && group * x_bytes >= rows * w_bytes && kp > kc_x {
+            (kc_x, true)
+        } else if single {
+            (kp, false)
+        } else {
+            // Several groups share each tile: its chunk, plus the x chunks of the group at work
+            // and the next, should fit.
+            (L1_BUDGET / (2 * group * x_bytes + rows * w_bytes), false)
+        };
+        let kc = (kc / step).max(1) * step;
+        Plan { rows, group, block: block.max(group), kc, step, k_outer }
+    }
+
+    /// Accumulator sets a thread needs for `n` weight rows.
+    pub fn acc_slots(&self, m: usize, n: usize) -> usize {
+        if self.k_outer {
+            n / self.rows + n % self.rows
+        } else {
+            m.min(self.block).div_ceil(self.group)
+        }
+    }
+}
+
+/// One call of a tile kernel (see [`for_tiles`]).
+pub(crate) struct Tile<'w> {
+    /// x rows `i..i+c`.
+    pub i: usize,
+    pub c: usize,
+    /// Weight rows `j..j+r`.
+    pub j: usize,
+    pub r: usize,
+    /// Which accumulator set to use.
+    pub slot: usize,
+    /// K range of this call; all but the last chunk are whole kernel steps.
+    pub k0: usize,
+    pub k1: usize,
+    /// First call for these accumulators (start from zero) / last one (reduce and store).
+    pub first: bool,
+    pub last: bool,
+    /// What to prefetch during the call.
+    pub pf: Pf<'w>,
+}
+
+/// A strided byte range to prefetch: `rows` pieces of `piece` bytes, `stride` apart, from the
+/// start of `span`; `per` cache lines per kernel step.
+#[derive(Clone, Copy)]
+pub(crate) struct Pf<'w> {
+    pub span: &'w [u8],
+    pub piece: usize,
+    pub stride: usize,
+    pub rows: usize,
+    pub per: usize,
+}
+
+impl Pf<'_> {
+    const NONE: Pf<'static> = Pf { span: &[], piece: 0, stride: 0, rows: 0, per: 0 };
+}
+
+/// Walk the tiles of an `[m, k] · [n, k]ᵀ` product in cache-friendly order. By default:
+///
+/// - x rows in blocks of `plan.block` rows (sized for L2) — one block when m ≤ 16;
+/// - per block, tiles of `plan.rows` weight rows: each tile is read from memory once per block;
+/// - per tile, K in about equal chunks of at most `plan.kc`;
+/// - per chunk, every group of ≤ `plan.group` x rows, so the tile's chunk is reused from L1.
+///
+/// Decode and verification sizes are planned as a single group, so the weights stream past exactly
+/// once with all the compute riding on that stream. (With several groups, the passes after the first
+/// hit only L1 and their compute adds to the memory time instead of hiding under it.) When that
+/// single group's x panel is too big for L1 (`plan.k_outer`), the chunk loop goes outside the tile
+/// loop instead, so the x chunk stays in L1 while every tile's chunk streams past once.
+///
+/// Each call prefetches a share of the next tile (of the same chunk), split evenly over the calls
+/// on this one: a steady stream of DRAM reads ahead of the demand loads, which the hardware
+/// prefetchers alone do not keep up once there are a few x rows of work per weight byte.
+pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnMut(&Tile<'w>)) {
+    let (n, k, size) = (w.rows, w.cols, w.dtype.size());
+    let row_bytes = k * size;
+    let (rows, group, step) = (plan.rows.max(1), plan.group.max(1), plan.step.max(1));
+    // K in chunks of at most `kc_max`, about equal, whole steps (but the last): (chunk, count).
+    let split_k = |kc_max: usize| {
+        let kc = k.div_ceil(k.div_ceil(kc_max.max(step)).max(1)).div_ceil(step).max(1) * step;
+        (kc, k.div_ceil(kc).max(1))
+    };
+    // Prefetch of weight rows `j..j+rows`, K range `k0..k1`, split in `parts`: part `p`.
+    let prefetch = |j: usize, k0: usize, k1: usize, parts: usize, p: usize, steps: usize| -> Pf<'w> {
+        if j + rows > n || k1 <= k0 {
+            return Pf::NONE;
+        }
+        let piece = (k1 - k0) * size;
+        if k0 == 0 && k1 == k {
+            // Whole rows: one contiguous range, split in whole cache lines.
+            let all = &w.data[j * row_bytes..(j + rows) * row_bytes];
+            let share = all.len().div_ceil(64).div_ceil(parts) * 64;
+            let span = &all[(p * share).min(all.len())..((p + 1) * share).min(all.len())];
+            return Pf { span, piece: span.len(), stride: 0, rows: 1, per: span.len().div_ceil(64).div_ceil(steps.max(1)) };
+        }
+        // A chunk of `rows` rows (k-outer order has one call per tile and chunk: no split).
+        let span = &w.data[j * row_bytes + k0 * size..(j + rows - 1) * row_bytes + k1 * size];
+        Pf { span, piece, stride: row_bytes, rows, per: (rows * piece.div_ceil(64)).div_ceil(steps.max(1)) }
+    };
+    if plan.k_outer {
+        let (kc, chunks) = split_k(plan.kc);
+        for ch in 0..chunks {
+            let (k0, k1) = (ch * kc, k.min((ch + 1) * kc));
+            let (mut j, mut slot) = (0, 0);
+            while j < n {
+                let r = if n - j >= rows { rows } else { 1 };
+                let pf = if r == rows { prefetch(j + rows, k0, k1, 1, 0, (k1 - k0).div_ceil(step)) } else { Pf::NONE };
+                f(&Tile { i: 0, c: m, j, r, slot, k0, k1, first: ch == 0, last: ch + 1 == chunks, pf });
+                j += r;
+                slot += 1;
+            }
+        }
+        return;
+    }
+    let block = plan.block.max(group);
+    for i0 in (0..m).step_by(block) {
+        let i1 = m.min(i0 + block);
+        let groups = (i1 - i0).div_ceil(group);
+        let (kc, chunks) = if groups == 1 { (k, 1) } else { split_k(plan.kc) };
+        // Steps of the shortest call, so every call finishes its share of the prefetch.
+        let steps = (k - (chunks - 1) * kc).div_ceil(step).max(1);
+        let mut j = 0;
+        while j < n {
+            let r = if n - j >= rows { rows } else { 1 };
+            let mut call = 0;
+            for ch in 0..chunks {
+                let (k0, k1) = (ch * kc, k.min((ch + 1) * kc));
+                for g in 0..groups {
+                    let i = i0 + g * group;
+                    let pf = if r == rows { prefetch(j + rows, 0, k, groups * chunks, call, steps) } else { Pf::NONE };
+                    f(&Tile { i, c: group.min(i1 - i), j, r, slot: g, k0, k1, first: ch == 0, last: ch + 1 == chunks, pf });
+                    call += 1;
+                }
+            }
+            j += r;
+        }
+    }
+}
+
+/// Store the `c × r` results of one tile into the per-row output slices.
+#[inline(always)]
+pub(crate) fn store_tile<const C: usize>(res: &[[f32; 4]; C], out: &mut [&mut [f32]], i: usize, j: usize, r: usize) {
+    for (c, v) in res.iter().enumerate() {
+        out[i + c][j..j + r].copy_from_slice(&v[..r]);
+    }
+}

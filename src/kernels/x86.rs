@@ -1,0 +1,76 @@
+//! Plumbing shared by the x86 SIMD matmuls: the tile driver and the software prefetcher.
+
+use super::tiling::Tile;
+use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+
+/// Issues a tile call's share of the next tile's prefetch (a `Pf`), `per` cache lines per
+/// kernel step.
+pub(super) struct Prefetch {
+    /// Start of the current piece, offset within it, and the pieces left after it.
+    row: *const u8,
+    off: usize,
+    rows_left: usize,
+    piece: usize,
+    stride: usize,
+    per: usize,
+}
+
+impl Prefetch {
+    #[inline(always)]
+    pub(super) fn new(t: &Tile) -> Self {
+        let pf = t.pf;
+        let rows_left = if pf.piece == 0 { 0 } else { pf.rows };
+        Prefetch { row: pf.span.as_ptr(), off: 0, rows_left, piece: pf.piece, stride: pf.stride, per: pf.per }
+    }
+
+    #[inline(always)]
+    pub(super) fn step(&mut self) {
+        for _ in 0..self.per {
+            if self.rows_left == 0 {
+                return;
+            }
+            // SAFETY: a prefetch has no architectural effect and never faults; the address is
+            // inside the `Pf`'s span anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.row.wrapping_add(self.off) as *const i8) };
+            self.off += 64;
+            if self.off >= self.piece {
+                self.off = 0;
+                self.row = self.row.wrapping_add(self.stride);
+                self.rows_left -= 1;
+            }
+        }
+    }
+}
+
+/// Run tile kernel `$kern` over a product: split by weight rows over threads (`for_row_chunks`),
+/// walk the tiles (`for_tiles`), call the const-generic instance for each tile's shape and store
+/// its results. `$xp` holds the x `Panels`, `$accs(n)` makes `n` accumulator
+/// sets, and the list names every `(rows, x rows)` shape the plan can produce.
+///
+/// The caller must have checked that the CPU has `$kern`'s features.
+macro_rules! drive {
+    ($kern:ident, $accs:path, $xp:expr, $m:expr, $w:expr, $out:expr, $split:expr, $plan:expr,
+     [$(($r:literal, $c:literal)),* $(,)?]) => {{
+        let (xp, kp, m, plan) = ($xp.data(), $xp.kp, $m, $plan);
+        let ws = $w.cols * $w.dtype.size();
+        $crate::kernels::tiling::for_row_chunks($w, m, $out, $split, |wc, outs| {
+            let mut accs = $accs(plan.acc_slots(m, wc.rows));
+            $crate::kernels::tiling::for_tiles(m, wc, plan, |t| {
+                let (x, w, acc) = (xp[t.i * kp..].as_ptr(), wc.data[t.j * ws..].as_ptr(), &mut accs[t.slot]);
+                match (t.r, t.c) {
+                    $(($r, $c) => {
+                        // SAFETY: the CPU has the kernel's features (checked by the caller); the
+                        // group's panel holds `c` rows of `kp` elements from `x`, and weight rows
+                        // j..j+r of `wc` start at `w` (for_tiles stays in bounds).
+                        let res = unsafe { $kern::<$r, $c>(x, w, ws, t, acc) };
+                        if t.last {
+                            $crate::kernels::tiling::store_tile(&res, outs, t.i, t.j, $r);
+                        }
+                    })*
+                    _ => unreachable!("tile shape"),
+                }
+            })
+        });
+    }};
+}
+pub(super) use drive;
