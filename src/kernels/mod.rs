@@ -351,3 +351,12 @@ pub fn argmax(x: &[f32]) -> usize {
     }
     best
 }
+
+/// `out[i] = Σ_k x[k] · w[ids[i], k]`: one input row against selected weight rows (the centroid head's
+/// candidates), each computed exactly as `matmul` computes a single row.
+pub fn matmul_gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32]) {
+    assert_eq!(ids.len(), out.len(), "matmul_gather output size");
+    for (o, &id) in out.iter_mut().zip(ids) {
+        matmul(x, 1, w.slice_rows(id as usize, 1), std::slice::from_mut(o));
+    }
+}
