@@ -474,3 +474,46 @@ unsafe fn read_xor_impl(buf: &[u8]) -> u64 {
     let v = acc.into_iter().fold(_mm512_setzero_si512(), |s, a| _mm512_xor_si512(s, a));
     _mm512_reduce_or_epi64(v) as u64 ^ _mm512_reduce_add_epi64(v) as u64
 }
+
+/// Round every element to bf16 in place (ties to even, as `half::bf16::from_f32`).
+pub fn round_bf16_slice(x: &mut [f32]) {
+    assert!(supported());
+    // SAFETY: features asserted; masked accesses stay inside `x`.
+    unsafe { round_bf16_slice_impl(x) }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn round_bf16_slice_impl(x: &mut [f32]) {
+    let (n, p) = (x.len(), x.as_mut_ptr());
+    let mut i = 0;
+    while i < n {
+        let mask = tail_mask16(n - i);
+        _mm512_mask_storeu_ps(p.add(i), mask, round_bf16(_mm512_maskz_loadu_ps(mask, p.add(i))));
+        i += 16;
+    }
+}
+
+/// Final-logit softcapping `c·tanh(x/c)` in place; with `bf16`, each of the reference's three steps
+/// (divide, tanh, multiply) is rounded to bf16. tanh(y) = 1 − 2/(e^(2y) + 1): exact limits at ±inf,
+/// absolute error ~1e-7 near 0.
+pub fn softcap(x: &mut [f32], cap: f32, bf16: bool) {
+    assert!(supported());
+    // SAFETY: features asserted; masked accesses stay inside `x`.
+    unsafe { softcap_impl(x, cap, bf16) }
+}
+
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn softcap_impl(x: &mut [f32], cap: f32, bf16: bool) {
+    let (n, p) = (x.len(), x.as_mut_ptr());
+    let (c, one, two) = (_mm512_set1_ps(cap), _mm512_set1_ps(1.0), _mm512_set1_ps(2.0));
+    let r = |v: __m512| if bf16 { round_bf16(v) } else { v };
+    let mut i = 0;
+    while i < n {
+        let mask = tail_mask16(n - i);
+        let y = r(_mm512_div_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), c));
+        let e = exp(_mm512_mul_ps(two, y));
+        let t = r(_mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one))));
+        _mm512_mask_storeu_ps(p.add(i), mask, r(_mm512_mul_ps(t, c)));
+        i += 16;
+    }
+}

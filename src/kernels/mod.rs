@@ -68,6 +68,10 @@ impl DType {
 
     /// Round every element to this dtype (a no-op for f32): the cast points of the reference forward.
     pub fn round_slice(self, xs: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if self == DType::BF16 && isa() >= Isa::Avx512 {
+            return avx512::round_bf16_slice(xs);
+        }
         if self != DType::F32 {
             for x in xs.iter_mut() {
                 *x = self.round(*x);
@@ -293,6 +297,19 @@ pub fn gelu_tanh_with(isa: Isa, x: &mut [f32]) {
     }
 }
 
+/// Final-logit softcapping `c·tanh(x/c)` in place, rounding each step to `dt` as the reference does.
+pub fn softcap(x: &mut [f32], cap: f32, dt: DType) {
+    softcap_with(isa(), x, cap, dt)
+}
+
+pub fn softcap_with(isa: Isa, x: &mut [f32], cap: f32, dt: DType) {
+    match runnable(isa) {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 if dt != DType::F16 => avx512::softcap(x, cap, dt == DType::BF16),
+        _ => scalar::softcap(x, cap, dt),
+    }
+}
+
 /// Softmax in place, f32. A row whose entries are all `-inf` stays all zero.
 pub fn softmax(x: &mut [f32]) {
     softmax_with(isa(), x)
@@ -353,10 +370,15 @@ pub fn argmax(x: &[f32]) -> usize {
 }
 
 /// `out[i] = Σ_k x[k] · w[ids[i], k]`: one input row against selected weight rows (the centroid head's
-/// candidates), each computed exactly as `matmul` computes a single row.
+/// candidates). The rows are copied into one contiguous block and multiplied by `matmul`, so each result
+/// is bit-identical to that row's entry of a full `matmul`.
 pub fn matmul_gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32]) {
     assert_eq!(ids.len(), out.len(), "matmul_gather output size");
-    for (o, &id) in out.iter_mut().zip(ids) {
-        matmul(x, 1, w.slice_rows(id as usize, 1), std::slice::from_mut(o));
+    let row = w.cols * w.dtype.size();
+    let mut block = Vec::with_capacity(ids.len() * row);
+    for &id in ids {
+        let at = id as usize * row;
+        block.extend_from_slice(&w.data[at..at + row]);
     }
+    matmul(x, 1, MatRef::new(w.dtype, ids.len(), w.cols, &block), out);
 }

@@ -73,3 +73,10 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
         *yv += a * xv;
     }
 }
+
+pub fn softcap(x: &mut [f32], cap: f32, dt: DType) {
+    for v in x.iter_mut() {
+        let y = dt.round(dt.round(*v / cap).tanh());
+        *v = dt.round(y * cap);
+    }
+}

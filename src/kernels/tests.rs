@@ -332,3 +332,29 @@ fn bandwidth_is_positive() {
     let gbs = bandwidth::measure_read_bandwidth(4 << 20);
     assert!(gbs.is_finite() && gbs > 0.0);
 }
+
+#[test]
+fn softcap_and_bf16_rounding_match_scalar() {
+    let mut rng = Rng(77);
+    // Raw logits over a wide range, including exact zeros, huge values and infinities.
+    let mut base = rng.vec(1000, 200.0);
+    base.extend([0.0, -0.0, 1e-30, 3e38, -3e38, f32::INFINITY, f32::NEG_INFINITY]);
+    for isa in simd_isas() {
+        for dt in [DType::F32, DType::BF16] {
+            let mut want = base.clone();
+            scalar::softcap(&mut want, 30.0, dt);
+            let mut got = base.clone();
+            softcap_with(isa, &mut got, 30.0, dt);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                // bf16: one tanh ulp may move a value across a rounding boundary (one bf16 step at 30 is 0.125).
+                let tol = if dt == DType::BF16 { 0.125 + 1e-6 } else { 2e-5 };
+                assert!((g - w).abs() <= tol, "{isa:?} {dt:?} [{i}] x={}: {g} vs {w}", base[i]);
+            }
+        }
+    }
+    let mut got = base.clone();
+    DType::BF16.round_slice(&mut got);
+    for (g, x) in got.iter().zip(&base) {
+        assert_eq!(g.to_bits(), half::bf16::from_f32(*x).to_f32().to_bits());
+    }
+}

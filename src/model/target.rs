@@ -313,14 +313,9 @@ impl TargetModel {
         dt.round_slice(&mut hidden);
         let mut logits = vec![0f32; kept * cfg.vocab_size];
         kernels::matmul(&hidden, kept, self.lm_head.mat(), &mut logits);
-        dt.round_slice(&mut logits);
+        logits.par_chunks_mut(1 << 16).for_each(|chunk| dt.round_slice(chunk));
         if let Some(c) = cfg.final_logit_softcapping {
-            logits.par_chunks_mut(16384).for_each(|chunk| {
-                for x in chunk {
-                    let y = dt.round(dt.round(*x / c).tanh());
-                    *x = dt.round(y * c);
-                }
-            });
+            logits.par_chunks_mut(1 << 16).for_each(|chunk| kernels::softcap(chunk, c, dt));
         }
         Ok(Forward { rows: kept, logits, hidden })
     }
