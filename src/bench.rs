@@ -187,6 +187,7 @@ pub struct BenchOptions {
     pub prefill_tokens: usize,
     pub decode_steps: usize,
     pub max_rows: usize,
+    pub draft_steps: usize,
     pub threads: usize,
 }
 
@@ -318,7 +319,7 @@ pub fn run(opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
     model.embed_token(17, &mut emb);
     let mut h = vec![0.01f32; cfg.hidden_size];
     let mut times = Vec::new();
-    for _ in 0..9 {
+    for _ in 0..opts.draft_steps.max(1) {
         let t = Instant::now();
         let step = assistant.step(&emb, &h, sliding, full, cache.len());
         times.push(t.elapsed().as_secs_f64());

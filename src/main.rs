@@ -103,6 +103,9 @@ struct BenchArgs {
     /// Largest multi-row forward to time (rows 1..=R).
     #[arg(long, default_value_t = 8)]
     rows: usize,
+    /// Draft steps to time (median reported).
+    #[arg(long, default_value_t = 15)]
+    draft_steps: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -294,6 +297,7 @@ fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
         prefill_tokens: args.prefill,
         decode_steps: args.decode,
         max_rows: args.rows,
+        draft_steps: args.draft_steps,
         threads,
     };
     let report = bench::run(&opts, |msg| eprintln!("{msg}"))?;

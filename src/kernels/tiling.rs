@@ -10,9 +10,11 @@ use rayon::prelude::*;
 const CHUNK_ROW_MULTIPLE: usize = 12;
 
 /// Below this many bytes of weights (and little compute) a matmul runs on the calling thread: waking
-/// rayon's pool costs ~5 µs here, which a matrix smaller than ~1 MiB does not win back at m = 1
-/// (measured with `examples/matmul_bench.rs --small` on a 2-core Zen 5).
-const PAR_MIN_BYTES: usize = 1 << 20;
+/// rayon's pool costs ~5 µs here, which a matrix smaller than ~1 MiB does not win back at m = 1 in
+/// isolation (`examples/matmul_bench.rs --small`). In a chain of small matmuls (the drafter's 256-wide
+/// layers) the wake-ups cost more: `tandem bench` measured a draft step at 0.96 ms with 4 MiB against
+/// 1.25 ms with 1 MiB, with no change to the target's decode step (its matrices are larger or smaller).
+const PAR_MIN_BYTES: usize = 4 << 20;
 /// ... unless it has this many multiply-adds (prefill on a small matrix is compute-bound).
 const PAR_MIN_MACS: usize = 4 << 20;
 /// Chunks per thread when splitting: more than one so a thread slowed by a noisy neighbour hands
