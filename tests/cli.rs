@@ -217,3 +217,69 @@ fn broken_model_directories_fail_cleanly() {
     std::fs::write(&p, v.to_string()).unwrap();
     expect_error(&gen_args(&dir, &[]), "extra.weight");
 }
+
+#[test]
+fn speculative_json_has_acceptance_statistics_and_trace() {
+    let dir = fixture_dir("t1-f32");
+    let assistant = fixture_dir("d1-centroid");
+    let plain_args = gen_args(&dir, &["--max-new-tokens", "20", "--ignore-eos", "--json"]);
+    let refs: Vec<&str> = plain_args.iter().map(String::as_str).collect();
+    let plain: Value = serde_json::from_str(tandem(&refs).1.trim()).unwrap();
+    let a = assistant.display().to_string();
+    for extra in [vec!["--draft-tokens", "3"], vec!["--draft-tokens", "auto"], vec![]] {
+        let mut args = gen_args(&dir, &["--max-new-tokens", "20", "--ignore-eos", "--json", "--trace", "--assistant", &a]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, out, err) = tandem(&refs);
+        assert_eq!(code, 0, "{err}");
+        let v: Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(v["tokens"], plain["tokens"], "drafting must not change greedy output ({extra:?})");
+        let s = &v["stats"];
+        for key in ["draft_rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_per_round"] {
+            assert!(s[key].is_number(), "stats.{key} ({extra:?})");
+        }
+        assert!(s["accepted_per_position"].is_array());
+        let rounds = v["rounds"].as_array().expect("--trace adds rounds");
+        assert_eq!(rounds.len() as u64, s["draft_rounds"].as_u64().unwrap());
+        let drafted: usize = rounds.iter().map(|r| r["drafted"].as_array().unwrap().len()).sum();
+        assert_eq!(drafted as u64, s["drafted_tokens"].as_u64().unwrap());
+    }
+    // --no-draft: plain decoding even with an assistant.
+    let args = gen_args(&dir, &["--max-new-tokens", "20", "--ignore-eos", "--json", "--assistant", &a, "--no-draft"]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let v: Value = serde_json::from_str(tandem(&refs).1.trim()).unwrap();
+    assert_eq!(v["tokens"], plain["tokens"]);
+    assert!(v["stats"].get("draft_rounds").is_none());
+    // The human summary reports acceptance.
+    let args = gen_args(&dir, &["--max-new-tokens", "8", "--assistant", &a]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, _, err) = tandem(&refs);
+    assert_eq!(code, 0);
+    assert!(err.contains("drafts accepted"), "{err}");
+}
+
+#[test]
+fn mismatched_or_broken_assistants_fail_cleanly() {
+    let target = fixture_dir("t5-e2b");
+    let d1 = fixture_dir("d1-centroid").display().to_string();
+    expect_error(&gen_args(&target, &["--assistant", &d1]), "KV heads");
+    let t1 = fixture_dir("t1-f32");
+    expect_error(&gen_args(&t1, &["--assistant", &d1, "--draft-tokens", "0"]), "--draft-tokens");
+    expect_error(&gen_args(&t1, &["--assistant", &d1, "--draft-tokens", "lots"]), "--draft-tokens");
+    expect_error(&gen_args(&t1, &["--draft-tokens", "3"]), "--assistant");
+    expect_error(&gen_args(&t1, &["--assistant", "/nonexistent/drafter"]), "does not exist");
+    // A target directory given as the assistant, and the flag/tensor disagreement of the head.
+    expect_error(&gen_args(&t1, &["--assistant", t1.to_str().unwrap()]), "not an assistant");
+    let dir = scratch_copy("d1-centroid");
+    let p = dir.join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    v["use_ordered_embeddings"] = false.into();
+    std::fs::write(&p, v.to_string()).unwrap();
+    expect_error(&gen_args(&t1, &["--assistant", dir.to_str().unwrap()]), "use_ordered_embeddings");
+    let dir = scratch_copy("d2-tied");
+    let p = dir.join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    v["use_ordered_embeddings"] = true.into();
+    std::fs::write(&p, v.to_string()).unwrap();
+    expect_error(&gen_args(&t1, &["--assistant", dir.to_str().unwrap()]), "use_ordered_embeddings");
+}

@@ -219,3 +219,29 @@ fn speculative_sampling_has_exactly_the_plain_sampling_distribution() {
     let (stat, crit) = chi_square(&c2, &m2, n);
     assert!(stat > crit, "a temperature-1.6 sample should not pass as temperature 1.0 ({stat} < {crit})");
 }
+
+#[test]
+fn auto_draft_length_stops_drafting_when_nothing_is_accepted() {
+    // A drafter that is always wrong: after a few rounds `auto` must fall back to plain steps (with rare
+    // probes), and the output must still be the plain greedy output.
+    let target = TargetModel::load(&fixture_dir("t1-f32")).unwrap();
+    let prompt = vec![2, 9, 30, 31, 77];
+    let o = opts(200, SamplingParams::default());
+    let plain = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
+    let wrong: Vec<u32> = prompt.iter().chain(&plain).map(|t| (t + 1) % 256).collect();
+    let oracle = Oracle::new(wrong, 0.0, 3);
+    let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, DraftLength::Auto, true, |_| {}).unwrap();
+    assert_eq!(g.tokens, plain);
+    assert_eq!(stats.accepted_tokens, 0);
+    let rounds = stats.rounds.unwrap();
+    // Plain steps are not drafting rounds: almost all of the 200 tokens came without drafts.
+    assert!(stats.drafted_tokens < 40, "drafted {} tokens in {} rounds", stats.drafted_tokens, rounds.len());
+    // ... and with a perfect (and free) drafter, auto keeps drafting: most tokens come from drafts. (How
+    // many per round depends on how verify cost grows with rows, which on this tiny model is steep.)
+    let truth: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
+    let oracle = Oracle::new(truth, 0.0, 3);
+    let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, DraftLength::Auto, false, |_| {}).unwrap();
+    assert_eq!(g.tokens, plain);
+    assert_eq!(stats.accepted_tokens, stats.drafted_tokens);
+    assert!(stats.accepted_tokens * 2 >= plain.len(), "{stats:?}");
+}

@@ -73,6 +73,9 @@ struct Draft {
     q: Vec<(u32, f32)>,
 }
 
+/// Prior of the per-position acceptance estimates: one accept in two tries.
+const PRIOR: (f64, f64) = (1.0, 2.0);
+
 /// Running estimates behind `--draft-tokens auto`.
 struct Adaptive {
     /// Per draft position: (accepted, tried), with a weak prior of one half.
@@ -85,7 +88,7 @@ struct Adaptive {
 
 impl Adaptive {
     fn new() -> Adaptive {
-        Adaptive { accept: vec![(1.0, 2.0); MAX_DRAFT], draft_step_s: None, verify_s: vec![None; MAX_DRAFT + 2], rounds_since_probe: 0 }
+        Adaptive { accept: vec![PRIOR; MAX_DRAFT], draft_step_s: None, verify_s: vec![None; MAX_DRAFT + 2], rounds_since_probe: 0 }
     }
 
     fn ema(old: Option<f64>, new: f64) -> Option<f64> {
@@ -105,32 +108,43 @@ impl Adaptive {
         })
     }
 
-    /// The k in 0..=k_max with the best expected tokens per second.
+    /// The k in 0..=k_max with the best expected tokens per second; drafting must beat plain steps by a
+    /// clear margin, so timing noise alone never keeps a useless drafter running.
     fn choose(&mut self, k_max: usize) -> usize {
-        let (Some(step), Some(_)) = (self.draft_step_s, self.verify_s[1]) else {
-            // Nothing measured yet: draft a little to learn the costs.
+        // First measure a plain step, then a short drafting round.
+        if self.verify_s[1].is_none() {
+            return 0;
+        }
+        let Some(step) = self.draft_step_s else {
             return k_max.min(2);
         };
         let mut best = (0usize, 0f64);
         let mut reach = 1.0; // probability that the first j drafts are all accepted
         let mut expected = 1.0; // expected tokens per round
+        let mut last_rate = 0.5;
         for k in 0..=k_max {
             if k > 0 {
+                // A position never tried yet is assumed as good as the one before it (optimistic, so a
+                // good drafter gets to show that longer drafts pay).
                 let (a, n) = self.accept[k - 1];
-                reach *= a / n;
+                let rate = if n > PRIOR.1 { a / n } else { last_rate };
+                last_rate = rate;
+                reach *= rate;
                 expected += reach;
             }
             let cost = k as f64 * step + self.verify_cost(k + 1).unwrap_or(f64::INFINITY);
             let rate = expected / cost;
-            if rate > best.1 {
+            let margin = if k == 0 { 1.0 } else { 1.05 };
+            if rate > best.1 * margin {
                 best = (k, rate);
             }
         }
+        // Now and then try the other regime, so stale estimates (acceptance changes with the text, a
+        // timing taken during a hiccup) get refreshed: one draft when not drafting, a plain step when drafting.
         self.rounds_since_probe += 1;
-        if best.0 == 0 && self.rounds_since_probe >= 32 && k_max > 0 {
-            // Acceptance may have changed with the text: probe with one draft now and then.
+        if self.rounds_since_probe >= 32 && k_max > 0 {
             self.rounds_since_probe = 0;
-            return 1;
+            return if best.0 == 0 { 1 } else { 0 };
         }
         best.0
     }
