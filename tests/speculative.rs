@@ -236,12 +236,12 @@ fn auto_draft_length_stops_drafting_when_nothing_is_accepted() {
     let rounds = stats.rounds.unwrap();
     // Plain steps are not drafting rounds: almost all of the 200 tokens came without drafts.
     assert!(stats.drafted_tokens < 40, "drafted {} tokens in {} rounds", stats.drafted_tokens, rounds.len());
-    // ... and with a perfect (and free) drafter, auto keeps drafting: most tokens come from drafts. (How
-    // many per round depends on how verify cost grows with rows, which on this tiny model is steep.)
+    // With a perfect drafter the output is the same too. (How much auto drafts then depends on measured
+    // costs, which a test cannot pin down; the policy itself is tested with synthetic costs in
+    // src/decode/speculative.rs.)
     let truth: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
     let oracle = Oracle::new(truth, 0.0, 3);
     let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, DraftLength::Auto, false, |_| {}).unwrap();
     assert_eq!(g.tokens, plain);
     assert_eq!(stats.accepted_tokens, stats.drafted_tokens);
-    assert!(stats.accepted_tokens * 2 >= plain.len(), "{stats:?}");
 }
