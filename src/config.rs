@@ -135,20 +135,19 @@ impl TextConfig {
     }
 }
 
+/// Parse a JSON file, with errors that name it.
+pub fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| anyhow!("{}: malformed JSON: {e}", path.display()))
+}
+
 /// Read `config.json` (and `generation_config.json`, when present) from a model directory.
 pub fn load_model_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let json: Value =
-        serde_json::from_str(&text).map_err(|e| anyhow!("{}: malformed JSON: {e}", path.display()))?;
-    let mut cfg = parse_model_config(&json).with_context(|| format!("{}", path.display()))?;
+    let mut cfg = parse_model_config(&read_json(&path)?).with_context(|| format!("{}", path.display()))?;
     let gen_path = dir.join("generation_config.json");
     if gen_path.exists() {
-        let text =
-            std::fs::read_to_string(&gen_path).with_context(|| format!("cannot read {}", gen_path.display()))?;
-        let json: Value =
-            serde_json::from_str(&text).map_err(|e| anyhow!("{}: malformed JSON: {e}", gen_path.display()))?;
-        apply_generation_config(&mut cfg.text, &json).with_context(|| format!("{}", gen_path.display()))?;
+        apply_generation_config(&mut cfg.text, &read_json(&gen_path)?).with_context(|| format!("{}", gen_path.display()))?;
     }
     Ok(cfg)
 }
@@ -724,16 +723,10 @@ pub struct AssistantConfig {
 
 pub fn load_assistant_config(dir: &Path) -> Result<AssistantConfig> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let json: Value =
-        serde_json::from_str(&text).map_err(|e| anyhow!("{}: malformed JSON: {e}", path.display()))?;
-    let mut cfg = parse_assistant_config(&json).with_context(|| format!("{}", path.display()))?;
+    let mut cfg = parse_assistant_config(&read_json(&path)?).with_context(|| format!("{}", path.display()))?;
     let gen_path = dir.join("generation_config.json");
     if gen_path.exists() {
-        let text =
-            std::fs::read_to_string(&gen_path).with_context(|| format!("cannot read {}", gen_path.display()))?;
-        let json: Value =
-            serde_json::from_str(&text).map_err(|e| anyhow!("{}: malformed JSON: {e}", gen_path.display()))?;
+        let json = read_json(&gen_path)?;
         let obj = json.as_object().ok_or_else(|| anyhow!("{}: expected a JSON object", gen_path.display()))?;
         let f = Fields { obj, ctx: "" };
         cfg.num_assistant_tokens = match obj.get("num_assistant_tokens") {

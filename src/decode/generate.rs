@@ -57,6 +57,19 @@ pub struct Generation {
     pub stats: Stats,
 }
 
+impl Generation {
+    /// Nothing generated yet.
+    pub fn new(prompt_tokens: usize) -> Generation {
+        Generation {
+            tokens: Vec::new(),
+            finish_reason: FinishReason::Length,
+            context_limited: false,
+            logprobs: Vec::new(),
+            stats: Stats { prompt_tokens, ..Stats::default() },
+        }
+    }
+}
+
 /// Check a prompt against the model before any work: non-empty, ids in range, fits the context.
 pub fn validate_prompt(model: &TargetModel, prompt: &[u32], context_limit: usize) -> Result<()> {
     if prompt.is_empty() {
@@ -95,13 +108,7 @@ pub fn generate(
     let mut sampler = Sampler::new(opts.sampling.clone());
     let mut cache = model.new_cache();
     let mut history = prompt.to_vec();
-    let mut out = Generation {
-        tokens: Vec::new(),
-        finish_reason: FinishReason::Length,
-        context_limited: false,
-        logprobs: Vec::new(),
-        stats: Stats { prompt_tokens: prompt.len(), ..Stats::default() },
-    };
+    let mut out = Generation::new(prompt.len());
     if opts.max_new_tokens == 0 {
         return Ok(out);
     }

@@ -13,7 +13,7 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::config::LayerType;
-use crate::decode::generate::{prefill, validate_prompt, FinishReason, GenerateOptions, Generation, Stats, TokenLogprob};
+use crate::decode::generate::{prefill, validate_prompt, FinishReason, GenerateOptions, Generation, TokenLogprob};
 use crate::decode::sampling::{log_softmax, top_n, Sampler};
 use crate::model::assistant::{Assistant, DraftLogits, DraftStep};
 use crate::model::cache::MAX_ROLLBACK;
@@ -186,13 +186,7 @@ pub fn generate_speculative<D: Drafter + ?Sized>(
     let greedy = opts.sampling.is_greedy();
     let mut cache = target.new_cache();
     let mut history = prompt.to_vec();
-    let mut gen = Generation {
-        tokens: Vec::new(),
-        finish_reason: FinishReason::Length,
-        context_limited: false,
-        logprobs: Vec::new(),
-        stats: Stats { prompt_tokens: prompt.len(), ..Stats::default() },
-    };
+    let mut gen = Generation::new(prompt.len());
     let mut spec = SpecStats {
         accepted_per_position: vec![0; k_cap],
         rounds: trace.then(Vec::new),
