@@ -63,27 +63,50 @@ pub fn gelu_mlp(x: &[f32], rows: usize, gate: MatRef, up: MatRef, down: MatRef, 
 /// Attention of `rows` query rows (`q`: `[rows, hq, D]`) over a layer's K/V, scale 1.0 (spec §3.4): row `r`
 /// sees the absolute key positions `keys(r)`. Scores and probabilities are rounded like the reference's
 /// eager path (bf16 matmul outputs, f32 softmax cast back).
+///
+/// The query heads that share a KV head are processed together, so each key and value is read once per
+/// group rather than once per head (Gemma 4 has up to 16 query heads per KV head); groups are split only
+/// when there are fewer groups than threads. Each head's arithmetic is the same either way.
 pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usize) -> Range<usize> + Sync, dt: DType, out: &mut [f32]) {
     let d = kv.head_dim;
     let group = hq / kv.kv_heads;
+    let threads = rayon::current_num_threads();
+    let mut sub = group;
+    while rows * (hq / sub) < threads && sub % 2 == 0 {
+        sub /= 2;
+    }
+    let per_row = hq / sub;
     let work = |(idx, o): (usize, &mut [f32])| {
-        let (r, head) = (idx / hq, idx % hq);
+        let (r, h0) = (idx / per_row, (idx % per_row) * sub);
+        let g = h0 / group;
         let range = keys(r);
         debug_assert!(range.start >= kv.start && range.end <= kv.end(), "cache lacks positions {range:?}");
-        let qv = &q[idx * d..(idx + 1) * d];
-        let g = head / group;
-        let mut s: Vec<f32> = range.clone().map(|t| dt.round(kernels::dot(qv, kv.key(t, g)))).collect();
-        kernels::softmax(&mut s);
+        let qs = &q[(r * hq + h0) * d..(r * hq + h0 + sub) * d];
+        let n = range.len();
+        let mut s = vec![0f32; sub * n];
+        for (i, t) in range.clone().enumerate() {
+            let k = kv.key(t, g);
+            for (j, qv) in qs.chunks_exact(d).enumerate() {
+                s[j * n + i] = dt.round(kernels::dot(qv, k));
+            }
+        }
+        for p in s.chunks_exact_mut(n.max(1)) {
+            kernels::softmax(p);
+            dt.round_slice(p);
+        }
         o.iter_mut().for_each(|x| *x = 0.0);
-        for (t, p) in range.zip(&s) {
-            kernels::axpy(dt.round(*p), kv.value(t, g), o);
+        for (i, t) in range.enumerate() {
+            let v = kv.value(t, g);
+            for (j, oj) in o.chunks_exact_mut(d).enumerate() {
+                kernels::axpy(s[j * n + i], v, oj);
+            }
         }
         dt.round_slice(o);
     };
     let work_size = rows * hq * keys(rows.saturating_sub(1)).len() * d;
     if work_size > 1 << 16 {
-        out.par_chunks_mut(d).enumerate().for_each(work);
+        out.par_chunks_mut(sub * d).enumerate().for_each(work);
     } else {
-        out.chunks_mut(d).enumerate().for_each(work);
+        out.chunks_mut(sub * d).enumerate().for_each(work);
     }
 }
