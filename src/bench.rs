@@ -347,3 +347,27 @@ pub fn run(opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
         projected_speedup,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::validate_pair;
+
+    #[test]
+    fn presets_are_valid_pairs_at_real_dimensions() {
+        for (preset, layers, hidden) in [(Preset::E2b, 10, 1536), (Preset::E2b, 35, 1536), (Preset::E4b, 12, 2560), (Preset::E4b, 42, 2560)] {
+            let t = preset.config(layers).unwrap();
+            assert_eq!((t.hidden_size, t.num_layers(), t.vocab_size), (hidden, layers, 262_144));
+            assert!(t.store_layer(LayerType::Sliding).is_some() && t.store_layer(LayerType::Full).is_some());
+            let a = preset.assistant_config(&t).unwrap();
+            validate_pair(&t, &a).unwrap();
+            assert_eq!(a.head, DraftHead::Centroid { num_centroids: 2048, top_k: 32 });
+        }
+        // Full-size sharing matches the real checkpoints: E2B 20 of 35 layers, E4B 18 of 42.
+        let shared = |t: &TextConfig| t.layers.iter().filter(|l| l.kv_mode == KvMode::Reuse).count();
+        assert_eq!(shared(&Preset::E2b.config(35).unwrap()), 20);
+        assert_eq!(shared(&Preset::E4b.config(42).unwrap()), 18);
+        assert!(Preset::E2b.config(3).is_err());
+        assert!(Preset::parse("e9b").is_err());
+    }
+}
