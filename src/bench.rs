@@ -371,3 +371,139 @@ mod tests {
         assert!(Preset::parse("e9b").is_err());
     }
 }
+
+/// Where the default model pair that ships with tandem lives (built into the binary; `cargo run` from the
+/// repository finds it).
+pub fn default_model_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/default")
+}
+
+pub struct PairOptions {
+    pub target: std::path::PathBuf,
+    pub assistant: std::path::PathBuf,
+    /// JSON list of prompts: each an object with `ids` (and optional `text`), or a plain list of ids.
+    pub prompts: std::path::PathBuf,
+    pub draft: crate::decode::speculative::DraftLength,
+    pub max_new_tokens: usize,
+}
+
+#[derive(Serialize)]
+pub struct PairReport {
+    pub prompts: usize,
+    pub generated_tokens: usize,
+    pub draft_tokens: String,
+    pub plain_decode_tokens_per_s: f64,
+    pub speculative_decode_tokens_per_s: f64,
+    pub speedup: f64,
+    pub mean_accepted_per_round: f64,
+    pub acceptance_rate: f64,
+    /// Share of rounds whose i-th draft was accepted.
+    pub acceptance_by_position: Vec<f64>,
+    /// Greedy output with drafting equal to greedy output without, for every prompt.
+    pub identical_output: bool,
+}
+
+impl PairReport {
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "{} held-out prompts, {} tokens generated at temperature 0, draft tokens {}\n",
+            self.prompts, self.generated_tokens, self.draft_tokens
+        );
+        s += &format!("plain decode:       {:.1} tok/s\n", self.plain_decode_tokens_per_s);
+        s += &format!(
+            "speculative decode: {:.1} tok/s ({:.2}x)\n",
+            self.speculative_decode_tokens_per_s, self.speedup
+        );
+        s += &format!(
+            "accepted drafts: {:.2} per round ({:.0}% of drafts)\nacceptance by position:",
+            self.mean_accepted_per_round,
+            100.0 * self.acceptance_rate
+        );
+        for a in &self.acceptance_by_position {
+            s += &format!(" {:.0}%", 100.0 * a);
+        }
+        s += &format!("\noutput identical with and without drafting: {}\n", if self.identical_output { "yes" } else { "NO" });
+        s
+    }
+}
+
+fn read_prompts(path: &std::path::Path) -> Result<Vec<Vec<u32>>> {
+    let json = crate::config::read_json(path)?;
+    let items = json.as_array().ok_or_else(|| anyhow::anyhow!("{}: expected a JSON list of prompts", path.display()))?;
+    let ids = |v: &serde_json::Value| -> Option<Vec<u32>> {
+        v.as_array()?.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
+    };
+    let prompts = items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            ids(item.get("ids").unwrap_or(item))
+                .filter(|p| !p.is_empty())
+                .ok_or_else(|| anyhow::anyhow!("{}: prompt {i} has no list of token ids", path.display()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if prompts.is_empty() {
+        bail!("{}: no prompts", path.display());
+    }
+    Ok(prompts)
+}
+
+/// Run every prompt greedily without and with drafting, interleaved so both see the same machine.
+pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
+    use crate::decode::generate::{generate, GenerateOptions};
+    use crate::decode::sampling::SamplingParams;
+    use crate::decode::speculative::generate_speculative;
+
+    let target = TargetModel::load(&opts.target)?;
+    let assistant = Assistant::load(&opts.assistant)?;
+    crate::config::validate_pair(&target.cfg, &assistant.cfg)?;
+    let prompts = read_prompts(&opts.prompts)?;
+    let gen = GenerateOptions {
+        max_new_tokens: opts.max_new_tokens,
+        ignore_eos: true,
+        sampling: SamplingParams::default(),
+        top_logprobs: None,
+        context_limit: target.cfg.max_position_embeddings,
+    };
+    let (mut plain_s, mut spec_s, mut tokens) = (0.0, 0.0, 0usize);
+    let (mut rounds, mut drafted, mut accepted) = (0usize, 0usize, 0usize);
+    let mut by_position: Vec<usize> = Vec::new();
+    let mut identical = true;
+    let decode_time = |g: &crate::decode::generate::Generation| {
+        (g.tokens.len().saturating_sub(1)) as f64 / g.stats.decode_tokens_per_s.max(1e-9)
+    };
+    for (i, p) in prompts.iter().enumerate() {
+        log(&format!("prompt {}/{}", i + 1, prompts.len()));
+        let plain = generate(&target, p, &gen, |_| {})?;
+        let (spec, stats) = generate_speculative(&target, &assistant, p, &gen, opts.draft, false, |_| {})?;
+        identical &= plain.tokens == spec.tokens;
+        plain_s += decode_time(&plain);
+        spec_s += decode_time(&spec);
+        tokens += plain.tokens.len().saturating_sub(1);
+        rounds += stats.draft_rounds;
+        drafted += stats.drafted_tokens;
+        accepted += stats.accepted_tokens;
+        if by_position.len() < stats.accepted_per_position.len() {
+            by_position.resize(stats.accepted_per_position.len(), 0);
+        }
+        for (a, b) in by_position.iter_mut().zip(&stats.accepted_per_position) {
+            *a += b;
+        }
+    }
+    let per_round = |n: usize| if rounds > 0 { n as f64 / rounds as f64 } else { 0.0 };
+    Ok(PairReport {
+        prompts: prompts.len(),
+        generated_tokens: tokens + prompts.len(),
+        draft_tokens: match opts.draft {
+            crate::decode::speculative::DraftLength::Fixed(k) => k.to_string(),
+            crate::decode::speculative::DraftLength::Auto => "auto".into(),
+        },
+        plain_decode_tokens_per_s: tokens as f64 / plain_s.max(1e-9),
+        speculative_decode_tokens_per_s: tokens as f64 / spec_s.max(1e-9),
+        speedup: plain_s / spec_s.max(1e-9),
+        mean_accepted_per_round: per_round(accepted),
+        acceptance_rate: if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
+        acceptance_by_position: by_position.iter().map(|&n| per_round(n)).collect(),
+        identical_output: identical,
+    })
+}

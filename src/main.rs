@@ -106,6 +106,25 @@ struct BenchArgs {
     /// Draft steps to time (median reported).
     #[arg(long, default_value_t = 15)]
     draft_steps: usize,
+    /// Instead: run held-out prompts greedily with and without drafting on a real pair (default: the
+    /// pair that ships in models/default) and report acceptance and the decode speed-up.
+    #[arg(long)]
+    pair: bool,
+    /// --pair: target model directory.
+    #[arg(long, requires = "pair")]
+    model: Option<PathBuf>,
+    /// --pair: assistant directory.
+    #[arg(long, requires = "pair")]
+    assistant: Option<PathBuf>,
+    /// --pair: JSON list of prompts (objects with `ids`, or lists of ids).
+    #[arg(long, requires = "pair")]
+    prompts: Option<PathBuf>,
+    /// --pair: draft tokens per round (a number or `auto`).
+    #[arg(long, requires = "pair", default_value = "4")]
+    draft_tokens: String,
+    /// --pair: tokens generated per prompt.
+    #[arg(long, requires = "pair", default_value_t = 64)]
+    max_new_tokens: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -197,11 +216,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let draft_len = match (&assistant, args.draft_tokens.as_deref()) {
         (None, _) => None,
         (Some(_), _) if args.no_draft => None,
-        (Some(_), Some("auto")) => Some(DraftLength::Auto),
-        (Some(_), Some(k)) => match k.parse::<usize>() {
-            Ok(k) if (1..=MAX_DRAFT).contains(&k) => Some(DraftLength::Fixed(k)),
-            _ => bail!("--draft-tokens must be a number from 1 to {MAX_DRAFT} or `auto`, got {k:?}"),
-        },
+        (Some(_), Some(k)) => Some(DraftLength::parse(k)?),
         (Some(a), None) => Some(match a.cfg.num_assistant_tokens {
             Some(k) => DraftLength::Fixed(k.min(MAX_DRAFT)),
             None => DraftLength::Auto,
@@ -290,6 +305,23 @@ fn summary(g: &tandem::decode::generate::Generation, spec: Option<&SpecStats>) -
 }
 
 fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
+    if args.pair {
+        let dir = bench::default_model_dir();
+        let opts = bench::PairOptions {
+            target: args.model.unwrap_or_else(|| dir.join("target")),
+            assistant: args.assistant.unwrap_or_else(|| dir.join("assistant")),
+            prompts: args.prompts.unwrap_or_else(|| dir.join("heldout_prompts.json")),
+            draft: DraftLength::parse(&args.draft_tokens)?,
+            max_new_tokens: args.max_new_tokens,
+        };
+        let report = bench::run_pair(&opts, |msg| eprintln!("{msg}"))?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            print!("{}", report.table());
+        }
+        return Ok(());
+    }
     let preset = Preset::parse(&args.preset)?;
     let opts = BenchOptions {
         preset,

@@ -283,3 +283,31 @@ fn mismatched_or_broken_assistants_fail_cleanly() {
     std::fs::write(&p, v.to_string()).unwrap();
     expect_error(&gen_args(&t1, &["--assistant", dir.to_str().unwrap()]), "use_ordered_embeddings");
 }
+
+#[test]
+fn pair_bench_reports_acceptance_and_identical_output() {
+    let dir = std::env::temp_dir().join(format!("tandem-prompts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prompts = dir.join("prompts.json");
+    std::fs::write(&prompts, r#"[{"text": "a", "ids": [2, 17, 33]}, [2, 40, 41, 42, 43, 44, 45, 46, 47, 48]]"#).unwrap();
+    let t1 = fixture_dir("t1-f32").display().to_string();
+    let d1 = fixture_dir("d1-centroid").display().to_string();
+    let p = prompts.display().to_string();
+    let args = ["bench", "--pair", "--model", &t1, "--assistant", &d1, "--prompts", &p, "--max-new-tokens", "12", "--json"];
+    let (code, out, err) = tandem(&args);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["prompts"], 2);
+    assert_eq!(v["generated_tokens"], 24);
+    assert_eq!(v["identical_output"], true);
+    for key in ["plain_decode_tokens_per_s", "speculative_decode_tokens_per_s", "speedup", "mean_accepted_per_round", "acceptance_rate"] {
+        assert!(v[key].is_number(), "{key}");
+    }
+    assert_eq!(v["acceptance_by_position"].as_array().unwrap().len(), 4);
+    // Bad prompt files are one-line errors.
+    std::fs::write(&prompts, r#"[{"text": "no ids"}]"#).unwrap();
+    let (code, _, err) = tandem(&args);
+    assert_ne!(code, 0);
+    assert!(err.contains("no list of token ids") && err.lines().count() == 1, "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -29,6 +29,19 @@ pub enum DraftLength {
     Auto,
 }
 
+impl DraftLength {
+    /// `auto` or a number of draft tokens from 1 to `MAX_DRAFT`.
+    pub fn parse(s: &str) -> Result<DraftLength> {
+        match s {
+            "auto" => Ok(DraftLength::Auto),
+            k => match k.parse::<usize>() {
+                Ok(k) if (1..=MAX_DRAFT).contains(&k) => Ok(DraftLength::Fixed(k)),
+                _ => anyhow::bail!("--draft-tokens must be a number from 1 to {MAX_DRAFT} or `auto`, got {k:?}"),
+            },
+        }
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Round {
     pub drafted: Vec<u32>,
