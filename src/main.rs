@@ -607,7 +607,7 @@ fn run_chat(args: ChatArgs) -> Result<()> {
                 continue;
             }
         };
-        interrupted.store(false, Ordering::SeqCst);
+        // A Ctrl-C from here on stops this reply (one at the prompt was taken above).
         let mut stream = TextStream::new(tok, s.stop_ids(), args.run.stop.clone(), args.run.show_thinking);
         let mut stream_err: Option<anyhow::Error> = None;
         let mut was_interrupted = false;

@@ -223,3 +223,32 @@ fn missing_or_broken_tokenizers_are_clear_errors() {
     assert!(err.contains("malformed JSON"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn text_stream_hides_or_shows_thinking_and_skips_eos() {
+    use tandem::text::TextStream;
+    let tok = tokenizer();
+    let mut ids = tok.encode("<|channel>thought\nlet me see 中<channel|>The answer: 4 🙂", false).unwrap();
+    ids.push(106); // <turn|>, an end-of-turn id
+    for (show, run) in [(false, 1usize), (true, 1), (false, 3), (true, 5)] {
+        let mut ts = TextStream::new(&tok, vec![1, 106], vec![], show);
+        let mut visible = String::new();
+        // Deliver the ids one at a time or in speculative-style runs.
+        for chunk in ids.chunks(run) {
+            let p = ts.push(chunk).unwrap();
+            assert_eq!(p.keep, None);
+            visible.push_str(&p.visible);
+        }
+        visible.push_str(&ts.finish().unwrap());
+        let full = "<|channel>thought\nlet me see 中<channel|>The answer: 4 🙂";
+        assert_eq!(visible, if show { full } else { "The answer: 4 🙂" }, "show {show}, runs of {run}");
+        assert_eq!(ts.text(), full);
+    }
+    // A stop string inside a run: keep the ids through the one that completes it.
+    let ids = tok.encode("one two three", false).unwrap();
+    let mut ts = TextStream::new(&tok, vec![], vec!["two".into()], false);
+    let p = ts.push(&ids).unwrap();
+    assert_eq!(p.visible, "one ");
+    let k = p.keep.unwrap();
+    assert!(tok.decode(&ids[..k], false).unwrap().contains("two") && !tok.decode(&ids[..k - 1], false).unwrap().contains("two"));
+}
