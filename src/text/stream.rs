@@ -366,6 +366,29 @@ mod tests {
         assert_eq!(pieces.iter().filter(|p| !p.is_empty()).count(), 4);
     }
 
+    /// Words that decode with a leading space, the first one stripped (SentencePiece decoders with a
+    /// `Strip` step do this): the window text starts differently from the full text.
+    struct Words;
+    impl Decode for Words {
+        fn decode_ids(&self, ids: &[u32]) -> Result<String> {
+            let s: String = ids.iter().map(|i| format!(" w{i}")).collect();
+            Ok(s.strip_prefix(' ').unwrap_or(&s).to_string())
+        }
+    }
+
+    #[test]
+    fn leading_space_stripping_decoders_stream_exactly() {
+        let ids = [3, 1, 4, 1, 5];
+        let mut d = IncrementalDecoder::new();
+        let mut out = String::new();
+        for id in ids {
+            out.push_str(&d.push(&Words, id).unwrap());
+        }
+        out.push_str(&d.finish(&Words).unwrap());
+        assert_eq!(out, "w3 w1 w4 w1 w5");
+        assert_eq!(d.text(), out);
+    }
+
     #[test]
     fn invalid_bytes_are_flushed_at_the_end() {
         let ids = [0x61, 0xF0, 0x9F, 0x62, 0xE4, 0xB8];
