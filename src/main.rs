@@ -210,7 +210,7 @@ struct Session {
 /// How much the run needs the tokenizer.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum TextNeed {
-    /// Required; the string says for what (e.g. "text prompts").
+    /// Required; the string says for what, with its verb (e.g. "text prompts need").
     Required(&'static str),
     /// Used for the JSON `text` when it is there.
     Optional,
@@ -226,11 +226,14 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
         seed: run.seed,
     };
     sampling.validate()?;
-    let need = if run.stop.is_empty() || matches!(need, TextNeed::Required(_)) { need } else { TextNeed::Required("--stop") };
+    let need = if run.stop.is_empty() || matches!(need, TextNeed::Required(_)) { need } else { TextNeed::Required("--stop needs") };
     if let TextNeed::Required(what) = need {
         if !has_tokenizer(&run.model) {
-            let hint = if what == "text prompts" || what == "--chat" { "; use --prompt-ids" } else { "" };
-            bail!("{what} need{} a tokenizer: {} has no {TOKENIZER_FILE}{hint}", if what.ends_with('s') { "" } else { "s" }, run.model.display());
+            if !run.model.join("config.json").is_file() {
+                TargetModel::load(&run.model)?; // not a model directory at all: say that
+            }
+            let hint = if what.starts_with("text prompts") || what.starts_with("--chat") { "; use --prompt-ids" } else { "" };
+            bail!("{what} a tokenizer: {} has no {TOKENIZER_FILE}{hint}", run.model.display());
         }
     }
     let model = TargetModel::load(&run.model)?;
@@ -364,9 +367,9 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let need = if explicit_ids.is_some() {
         TextNeed::Optional
     } else if args.chat.is_some() {
-        TextNeed::Required("--chat")
+        TextNeed::Required("--chat needs")
     } else {
-        TextNeed::Required("text prompts")
+        TextNeed::Required("text prompts need")
     };
     let s = open_session(&args.run, 128, need, args.top_logprobs, args.trace)?;
     let prompt = match (&explicit_ids, &args.prompt, &args.chat) {
@@ -526,7 +529,7 @@ fn stdin_lines() -> mpsc::Receiver<Option<String>> {
 }
 
 fn run_chat(args: ChatArgs) -> Result<()> {
-    let s = open_session(&args.run, 1024, TextNeed::Required("chat"), None, false)?;
+    let s = open_session(&args.run, 1024, TextNeed::Required("chat needs"), None, false)?;
     let template = s.template()?;
     let tok = s.tokenizer();
     let interactive = std::io::stdin().is_terminal();

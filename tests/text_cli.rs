@@ -207,6 +207,8 @@ fn text_without_a_tokenizer_is_a_clear_error() {
     expect_error(&["generate", "--model", &t1, "--chat", "hi"], "--chat needs a tokenizer");
     expect_error(&["generate", "--model", &t1, "--prompt-ids", "2,3", "--stop", "x"], "--stop needs a tokenizer");
     expect_error(&["chat", "--model", &t1], "chat needs a tokenizer");
+    // Not a model directory at all: that is the error, not the missing tokenizer.
+    expect_error(&["generate", "--model", "/nonexistent/model", "--prompt", "hi"], "does not exist");
 }
 
 #[test]
