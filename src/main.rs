@@ -100,7 +100,8 @@ struct GenerateArgs {
     /// Prompt as comma-separated token ids, e.g. 2,17,33.
     #[arg(long)]
     prompt_ids: Option<String>,
-    /// Prompt as text, tokenized as is (with the tokenizer's BOS): a raw completion.
+    /// Prompt as text, tokenized as transformers' `tokenizer(TEXT)` does (with BOS if the tokenizer adds one): a raw
+    /// completion.
     #[arg(long, value_name = "TEXT")]
     prompt: Option<String>,
     /// One user message, formatted by the model's chat template (with the reply's opening).
