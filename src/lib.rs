@@ -5,4 +5,5 @@ pub mod config;
 pub mod decode;
 pub mod kernels;
 pub mod model;
+pub mod text;
 pub mod weights;

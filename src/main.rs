@@ -1,20 +1,25 @@
 //! The `tandem` command line.
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgGroup, Args, Parser, Subcommand};
 use serde_json::json;
 
 use tandem::bench::{self, BenchOptions, Preset};
-use tandem::decode::generate::{generate, FinishReason, GenerateOptions};
 use tandem::config::validate_pair;
+use tandem::decode::generate::{generate_until, FinishReason, Flow, GenerateOptions, Generation};
 use tandem::decode::sampling::SamplingParams;
-use tandem::decode::speculative::{generate_speculative, DraftLength, SpecStats, MAX_DRAFT};
+use tandem::decode::speculative::{generate_speculative_until, DraftLength, SpecStats, MAX_DRAFT};
 use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
+use tandem::text::stream::terminal_safe;
+use tandem::text::{has_tokenizer, ChatTemplate, RenderOptions, TextStream, TextTokenizer, TOKENIZER_FILE};
 
 #[derive(Parser)]
 #[command(name = "tandem", version, about = "Gemma 4 on CPU, with speculative decoding by its assistant drafters")]
@@ -28,22 +33,23 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate tokens from a prompt.
+    /// Generate from a prompt: token ids, raw text, or one chat message.
     Generate(GenerateArgs),
+    /// Talk to the model in the terminal: a multi-turn conversation through its chat template.
+    Chat(ChatArgs),
     /// Measure speed on a random-weight model at real Gemma 4 dimensions, built in memory.
     Bench(BenchArgs),
 }
 
+/// Options shared by `generate` and `chat`.
 #[derive(Args)]
-struct GenerateArgs {
-    /// Model directory (config.json + safetensors).
+struct RunArgs {
+    /// Model directory (config.json + safetensors; tokenizer.json for text).
     #[arg(long)]
     model: PathBuf,
-    /// Prompt as comma-separated token ids, e.g. 2,17,33.
+    /// Most tokens to generate (per reply in `chat`). Default: 128 for `generate`, 1024 for `chat`.
     #[arg(long)]
-    prompt_ids: String,
-    #[arg(long, default_value_t = 128)]
-    max_new_tokens: usize,
+    max_new_tokens: Option<usize>,
     /// 0 means greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
@@ -62,15 +68,9 @@ struct GenerateArgs {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Report the log-probability of each token and of the N most likely alternatives.
-    #[arg(long, value_name = "N")]
-    top_logprobs: Option<usize>,
     /// Total tokens (prompt + generated) allowed; default and maximum: the model's max_position_embeddings.
     #[arg(long)]
     context: Option<usize>,
-    /// Print exactly one JSON object on stdout.
-    #[arg(long)]
-    json: bool,
     /// Assistant (MTP drafter) directory: decode speculatively, with exactly the target's output.
     #[arg(long)]
     assistant: Option<PathBuf>,
@@ -81,9 +81,53 @@ struct GenerateArgs {
     /// Load the assistant but decode without drafting.
     #[arg(long)]
     no_draft: bool,
+    /// Stop when the generated text contains STRING (not printed). Repeatable. Needs a tokenizer.
+    #[arg(long, value_name = "STRING")]
+    stop: Vec<String>,
+    /// Let the model think before it answers (the chat template's `enable_thinking`).
+    #[arg(long)]
+    thinking: bool,
+    /// Print thinking blocks (`<|channel>thought ... <channel|>`) instead of hiding them.
+    #[arg(long)]
+    show_thinking: bool,
+}
+
+#[derive(Args)]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt_ids", "prompt", "chat"])))]
+struct GenerateArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Prompt as comma-separated token ids, e.g. 2,17,33.
+    #[arg(long)]
+    prompt_ids: Option<String>,
+    /// Prompt as text, tokenized as transformers' `tokenizer(TEXT)` does (with BOS if the tokenizer adds one): a raw
+    /// completion.
+    #[arg(long, value_name = "TEXT")]
+    prompt: Option<String>,
+    /// One user message, formatted by the model's chat template (with the reply's opening).
+    #[arg(long, value_name = "TEXT")]
+    chat: Option<String>,
+    /// System message before the `--chat` message.
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    system: Option<String>,
+    /// Report the log-probability of each token and of the N most likely alternatives.
+    #[arg(long, value_name = "N")]
+    top_logprobs: Option<usize>,
+    /// Print exactly one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
     /// Add every round's drafted tokens and acceptance to the JSON output.
     #[arg(long)]
     trace: bool,
+}
+
+#[derive(Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// System message at the start of the conversation (kept across /reset).
+    #[arg(long, value_name = "TEXT")]
+    system: Option<String>,
 }
 
 #[derive(Args)]
@@ -164,6 +208,7 @@ fn run(cli: Cli) -> Result<()> {
         .map_err(|e| anyhow!("cannot start {threads} threads: {e}"))?;
     match cli.command {
         Command::Generate(args) => run_generate(args),
+        Command::Chat(args) => run_chat(args),
         Command::Bench(args) => run_bench(args, threads),
     }
 }
@@ -176,33 +221,71 @@ fn parse_ids(s: &str) -> Result<Vec<u32>> {
         .collect()
 }
 
-fn run_generate(args: GenerateArgs) -> Result<()> {
-    let prompt = parse_ids(&args.prompt_ids)?;
+/// A loaded model (and assistant) with its generation settings and, when it has one, its tokenizer.
+struct Session {
+    model: TargetModel,
+    assistant: Option<Assistant>,
+    draft_len: Option<DraftLength>,
+    opts: GenerateOptions,
+    tokenizer: Option<TextTokenizer>,
+}
+
+/// How much the run needs the tokenizer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TextNeed {
+    /// Required; the string says for what, with its verb (e.g. "text prompts need").
+    Required(&'static str),
+    /// Used for the JSON `text` when it is there.
+    Optional,
+}
+
+fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logprobs: Option<usize>, trace: bool) -> Result<Session> {
     let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repeat_penalty: args.repeat_penalty,
-        seed: args.seed,
+        temperature: run.temperature,
+        top_k: run.top_k,
+        top_p: run.top_p,
+        min_p: run.min_p,
+        repeat_penalty: run.repeat_penalty,
+        seed: run.seed,
     };
     sampling.validate()?;
-    let model = TargetModel::load(&args.model)?;
+    let need = if run.stop.is_empty() || matches!(need, TextNeed::Required(_)) { need } else { TextNeed::Required("--stop needs") };
+    if let TextNeed::Required(what) = need {
+        if !has_tokenizer(&run.model) {
+            if !run.model.join("config.json").is_file() {
+                TargetModel::load(&run.model)?; // not a model directory at all: say that
+            }
+            let hint = if what.starts_with("text prompts") || what.starts_with("--chat") { "; use --prompt-ids" } else { "" };
+            bail!("{what} a tokenizer: {} has no {TOKENIZER_FILE}{hint}", run.model.display());
+        }
+    }
+    let model = TargetModel::load(&run.model)?;
+    let tokenizer = match need {
+        TextNeed::Required(_) => Some(load_tokenizer(&run.model, model.cfg.vocab_size)?),
+        TextNeed::Optional if has_tokenizer(&run.model) => match load_tokenizer(&run.model, model.cfg.vocab_size) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                eprintln!("warning: no text output: {}", one_line(&e));
+                None
+            }
+        },
+        TextNeed::Optional => None,
+    };
     let max_ctx = model.cfg.max_position_embeddings;
-    let context_limit = match args.context {
+    let context_limit = match run.context {
         Some(0) => bail!("--context must be at least 1"),
         Some(c) if c > max_ctx => bail!("--context {c} exceeds the model's max_position_embeddings ({max_ctx})"),
         Some(c) => c,
         None => max_ctx,
     };
     let opts = GenerateOptions {
-        max_new_tokens: args.max_new_tokens,
-        ignore_eos: args.ignore_eos,
+        max_new_tokens: run.max_new_tokens.unwrap_or(default_max_new),
+        ignore_eos: run.ignore_eos,
         sampling,
-        top_logprobs: args.top_logprobs,
+        top_logprobs,
         context_limit,
     };
-    let assistant = match &args.assistant {
+    let assistant = match &run.assistant {
         Some(dir) => {
             let a = Assistant::load(dir).context("cannot load the assistant")?;
             validate_pair(&model.cfg, &a.cfg).context("the assistant does not match the target")?;
@@ -210,47 +293,177 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }
         None => None,
     };
-    if args.assistant.is_none() && (args.draft_tokens.is_some() || args.trace) {
+    if run.assistant.is_none() && (run.draft_tokens.is_some() || trace) {
         bail!("--draft-tokens and --trace need --assistant");
     }
-    let draft_len = match (&assistant, args.draft_tokens.as_deref()) {
+    let draft_len = match (&assistant, run.draft_tokens.as_deref()) {
         (None, _) => None,
-        (Some(_), _) if args.no_draft => None,
+        (Some(_), _) if run.no_draft => None,
         (Some(_), Some(k)) => Some(DraftLength::parse(k)?),
         (Some(a), None) => Some(match a.cfg.num_assistant_tokens {
             Some(k) => DraftLength::Fixed(k.min(MAX_DRAFT)),
             None => DraftLength::Auto,
         }),
     };
+    Ok(Session { model, assistant, draft_len, opts, tokenizer })
+}
 
-    let stdout = std::io::stdout();
+fn load_tokenizer(dir: &Path, vocab_size: usize) -> Result<TextTokenizer> {
+    let tok = TextTokenizer::load(dir).context("cannot load the tokenizer")?;
+    if tok.len() > vocab_size {
+        bail!(
+            "the tokenizer in {} has {} tokens but the model's vocabulary has {vocab_size}: they do not belong together",
+            dir.display(),
+            tok.len()
+        );
+    }
+    Ok(tok)
+}
+
+impl Session {
+    fn tokenizer(&self) -> &TextTokenizer {
+        self.tokenizer.as_ref().expect("required tokenizer is loaded")
+    }
+
+    fn template(&self) -> Result<ChatTemplate> {
+        let tok = self.tokenizer();
+        let src = tok.chat_template().ok_or_else(|| {
+            anyhow!(
+                "{} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json); use --prompt",
+                tok.dir().display()
+            )
+        })?;
+        ChatTemplate::new(src)
+    }
+
+    /// A conversation rendered by the template (with the reply's opening) and tokenized as transformers'
+    /// `apply_chat_template(..., tokenize=True)` does: no further special tokens.
+    fn chat_prompt(&self, template: &ChatTemplate, messages: &serde_json::Value, thinking: bool) -> Result<Vec<u32>> {
+        let mut opts = RenderOptions { add_generation_prompt: true, ..RenderOptions::default() };
+        if thinking {
+            opts.extra.insert("enable_thinking".into(), json!(true));
+        }
+        let tok = self.tokenizer();
+        let text = template.render(messages, tok.special_tokens(), &opts)?;
+        tok.encode(&text, false)
+    }
+
+    /// The ids that end generation (and are not part of the text).
+    fn stop_ids(&self) -> Vec<u32> {
+        if self.opts.ignore_eos {
+            Vec::new()
+        } else {
+            self.model.cfg.eos_token_ids.clone()
+        }
+    }
+
+    fn generate(&self, prompt: &[u32], trace: bool, mut on_tokens: impl FnMut(&[u32]) -> Flow) -> Result<(Generation, Option<SpecStats>)> {
+        match (&self.assistant, self.draft_len) {
+            (Some(a), Some(dl)) => {
+                let (g, s) = generate_speculative_until(&self.model, a, prompt, &self.opts, dl, trace, on_tokens)?;
+                Ok((g, Some(s)))
+            }
+            _ => Ok((generate_until(&self.model, prompt, &self.opts, |t| on_tokens(&[t]))?, None)),
+        }
+    }
+}
+
+/// Write text to stdout now; on a terminal, control characters are neutralised.
+fn print_text(text: &str, tty: bool) {
+    if text.is_empty() {
+        return;
+    }
+    let mut o = std::io::stdout().lock();
+    let _ = if tty { o.write_all(terminal_safe(text).as_bytes()) } else { o.write_all(text.as_bytes()) };
+    let _ = o.flush();
+}
+
+fn run_generate(args: GenerateArgs) -> Result<()> {
+    let explicit_ids = match &args.prompt_ids {
+        Some(s) => Some(parse_ids(s)?),
+        None => None,
+    };
+    let need = if explicit_ids.is_some() {
+        TextNeed::Optional
+    } else if args.chat.is_some() {
+        TextNeed::Required("--chat needs")
+    } else {
+        TextNeed::Required("text prompts need")
+    };
+    let s = open_session(&args.run, 128, need, args.top_logprobs, args.trace)?;
+    let prompt = match (&explicit_ids, &args.prompt, &args.chat) {
+        (Some(ids), _, _) => ids.clone(),
+        (None, Some(text), _) => s.tokenizer().encode(text, true)?,
+        (None, None, Some(user)) => {
+            let template = s.template()?;
+            let mut messages = Vec::new();
+            if let Some(sys) = &args.system {
+                messages.push(json!({"role": "system", "content": sys}));
+            }
+            messages.push(json!({"role": "user", "content": user}));
+            s.chat_prompt(&template, &json!(messages), args.run.thinking)?
+        }
+        (None, None, None) => unreachable!("clap requires one of the prompt options"),
+    };
+    let text_mode = explicit_ids.is_none();
+    let tty = std::io::stdout().is_terminal();
+
+    let mut stream = s.tokenizer.as_ref().map(|t| TextStream::new(t, s.stop_ids(), args.run.stop.clone(), args.run.show_thinking));
+    let mut stream_err: Option<anyhow::Error> = None;
     let mut first = true;
-    let mut print_tokens = |ts: &[u32]| {
-        if !args.json && !ts.is_empty() {
-            let mut o = stdout.lock();
-            for t in ts {
+    let on_tokens = |ts: &[u32]| -> Flow {
+        let mut keep = ts.len();
+        let mut flow = Flow::Continue;
+        if let Some(st) = stream.as_mut() {
+            match st.push(ts) {
+                Ok(p) => {
+                    if !args.json && text_mode {
+                        print_text(&p.visible, tty);
+                    }
+                    if let Some(k) = p.keep {
+                        keep = k;
+                        flow = Flow::StopAfter(k);
+                    }
+                }
+                Err(e) => {
+                    stream_err.get_or_insert(e);
+                    flow = Flow::StopAfter(ts.len());
+                }
+            }
+        }
+        if !args.json && !text_mode && keep > 0 {
+            let mut o = std::io::stdout().lock();
+            for t in &ts[..keep] {
                 let _ = write!(o, "{}{t}", if first { "" } else { " " });
                 first = false;
             }
             let _ = o.flush();
         }
+        flow
     };
-    let (g, spec) = match (&assistant, draft_len) {
-        (Some(a), Some(dl)) => {
-            let (g, s) = generate_speculative(&model, a, &prompt, &opts, dl, args.trace, &mut print_tokens)
-                .context("generation failed")?;
-            (g, Some(s))
+    let (g, spec) = s.generate(&prompt, args.trace, on_tokens).context("generation failed")?;
+    if let Some(e) = stream_err {
+        return Err(e.context("cannot decode the output"));
+    }
+    let mut text = None;
+    if let Some(st) = stream.as_mut() {
+        let rest = st.finish()?;
+        if !args.json && text_mode {
+            print_text(&rest, tty);
         }
-        _ => (generate(&model, &prompt, &opts, |t| print_tokens(&[t])).context("generation failed")?, None),
-    };
+        if st.inside_thinking() && text_mode && !args.json {
+            eprintln!("note: the output ended inside a thinking block (--show-thinking prints it)");
+        }
+        text = Some(st.text().to_string());
+    }
     if g.context_limited {
-        eprintln!("note: stopped at the context limit of {context_limit} tokens");
+        eprintln!("note: stopped at the context limit of {} tokens", s.opts.context_limit);
     }
     if args.json {
         let mut stats = serde_json::to_value(&g.stats)?;
         let mut rounds = None;
-        if let Some(s) = &spec {
-            let mut sv = serde_json::to_value(s)?;
+        if let Some(sp) = &spec {
+            let mut sv = serde_json::to_value(sp)?;
             rounds = sv.as_object_mut().and_then(|o| o.remove("rounds"));
             if let (Some(dst), Some(src)) = (stats.as_object_mut(), sv.as_object()) {
                 dst.extend(src.clone());
@@ -259,7 +472,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         let mut obj = json!({
             "prompt_ids": prompt,
             "tokens": g.tokens,
-            "text": null,
+            "text": text,
             "finish_reason": g.finish_reason,
             "stats": stats,
         });
@@ -278,7 +491,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
 }
 
 /// The one-line human summary on stderr.
-fn summary(g: &tandem::decode::generate::Generation, spec: Option<&SpecStats>) -> String {
+fn summary(g: &Generation, spec: Option<&SpecStats>) -> String {
     let s = &g.stats;
     let mut line = format!(
         "{} prompt tokens, {} generated ({}); prefill {:.1} tok/s, decode {:.1} tok/s",
@@ -302,6 +515,204 @@ fn summary(g: &tandem::decode::generate::Generation, spec: Option<&SpecStats>) -
         );
     }
     line
+}
+
+// ---------------------------------------------------------------------------------------------
+// chat
+// ---------------------------------------------------------------------------------------------
+
+const CHAT_HELP: &str = "/reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply";
+
+/// Lines from stdin, read on their own thread so that Ctrl-C at the prompt is noticed. `None` is end of
+/// input.
+fn stdin_lines() -> mpsc::Receiver<Option<String>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let stdin = std::io::stdin();
+        loop {
+            let mut line = String::new();
+            match stdin.lock().read_line(&mut line) {
+                Ok(0) | Err(_) => {
+                    let _ = tx.send(None);
+                    return;
+                }
+                Ok(_) => {
+                    if tx.send(Some(line)).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    rx
+}
+
+fn run_chat(args: ChatArgs) -> Result<()> {
+    let s = open_session(&args.run, 1024, TextNeed::Required("chat needs"), None, false)?;
+    let template = s.template()?;
+    let tok = s.tokenizer();
+    let interactive = std::io::stdin().is_terminal();
+    let tty = std::io::stdout().is_terminal();
+    let interrupted = Arc::new(AtomicBool::new(false));
+    {
+        let flag = interrupted.clone();
+        ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)).map_err(|e| anyhow!("cannot handle Ctrl-C: {e}"))?;
+    }
+    // Test hook: slow every reply down so that a test can interrupt it.
+    let delay = std::env::var("TANDEM_TEST_TOKEN_DELAY_MS").ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_millis);
+
+    let system = args.system.as_ref().map(|sys| json!({"role": "system", "content": sys}));
+    let mut history: Vec<serde_json::Value> = system.iter().cloned().collect();
+    eprintln!(
+        "tandem chat: {}{} ({})",
+        args.run.model.display(),
+        args.run.assistant.as_ref().map(|a| format!(" with assistant {}", a.display())).unwrap_or_default(),
+        CHAT_HELP
+    );
+    let lines = stdin_lines();
+    let prompt_mark = || {
+        if interactive {
+            print!("> ");
+            let _ = std::io::stdout().flush();
+        }
+    };
+    prompt_mark();
+    loop {
+        let line = match lines.recv_timeout(Duration::from_millis(50)) {
+            Ok(Some(line)) => line,
+            Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+                if interactive {
+                    println!();
+                }
+                return Ok(());
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if interrupted.swap(false, Ordering::SeqCst) {
+                    eprintln!("\n({CHAT_HELP})");
+                    prompt_mark();
+                }
+                continue;
+            }
+        };
+        let input = line.trim_end_matches(['\n', '\r']);
+        match input.trim() {
+            "" => {
+                prompt_mark();
+                continue;
+            }
+            "/exit" | "/quit" => return Ok(()),
+            "/reset" => {
+                history = system.iter().cloned().collect();
+                eprintln!("(conversation cleared)");
+                prompt_mark();
+                continue;
+            }
+            "/help" => {
+                eprintln!("({CHAT_HELP})");
+                prompt_mark();
+                continue;
+            }
+            cmd if cmd.starts_with('/') && !cmd.contains(char::is_whitespace) => {
+                eprintln!("unknown command {cmd} ({CHAT_HELP})");
+                prompt_mark();
+                continue;
+            }
+            _ => {}
+        }
+        history.push(json!({"role": "user", "content": input}));
+        let prompt = match s.chat_prompt(&template, &json!(history), args.run.thinking) {
+            Ok(p) => p,
+            Err(e) => {
+                history.pop();
+                eprintln!("error: {}", one_line(&e));
+                prompt_mark();
+                continue;
+            }
+        };
+        // A Ctrl-C from here on stops this reply (one at the prompt was taken above).
+        let mut stream = TextStream::new(tok, s.stop_ids(), args.run.stop.clone(), args.run.show_thinking);
+        let mut stream_err: Option<anyhow::Error> = None;
+        let mut was_interrupted = false;
+        let result = s.generate(&prompt, false, |ts| {
+            if let Some(d) = delay {
+                std::thread::sleep(d);
+            }
+            let mut flow = Flow::Continue;
+            match stream.push(ts) {
+                Ok(p) => {
+                    print_text(&p.visible, tty);
+                    if let Some(k) = p.keep {
+                        flow = Flow::StopAfter(k);
+                    }
+                }
+                Err(e) => {
+                    stream_err.get_or_insert(e);
+                    flow = Flow::StopAfter(ts.len());
+                }
+            }
+            if flow == Flow::Continue && interrupted.swap(false, Ordering::SeqCst) {
+                was_interrupted = true;
+                flow = Flow::StopAfter(ts.len());
+            }
+            flow
+        });
+        let (g, spec) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                history.pop();
+                eprintln!("error: {}", one_line(&e));
+                prompt_mark();
+                continue;
+            }
+        };
+        match stream.finish() {
+            Ok(rest) => print_text(&rest, tty),
+            Err(e) => {
+                stream_err.get_or_insert(e);
+            }
+        }
+        println!();
+        if let Some(e) = stream_err {
+            eprintln!("error: cannot decode the output: {}", one_line(&e));
+        }
+        if stream.inside_thinking() {
+            eprintln!("(the reply ended inside its thinking; --show-thinking prints it)");
+        }
+        let reason = if was_interrupted {
+            "interrupted"
+        } else if stream.stopped() {
+            "stop string"
+        } else if g.context_limited {
+            "context limit"
+        } else {
+            match g.finish_reason {
+                FinishReason::Stop => "end of turn",
+                FinishReason::Length => "length limit",
+            }
+        };
+        eprintln!("{}", reply_summary(&g, spec.as_ref(), reason));
+        history.push(json!({"role": "assistant", "content": stream.text()}));
+        prompt_mark();
+    }
+}
+
+/// The speed/acceptance line after each chat reply.
+fn reply_summary(g: &Generation, spec: Option<&SpecStats>, reason: &str) -> String {
+    let st = &g.stats;
+    let mut line = format!(
+        "[{} tokens, {:.1} tok/s; prompt {} tokens at {:.0} tok/s",
+        st.generated_tokens, st.decode_tokens_per_s, st.prompt_tokens, st.prefill_tokens_per_s
+    );
+    if let Some(sp) = spec {
+        line += &format!(
+            "; drafts accepted {}/{} ({:.0}%), {:.2} per round",
+            sp.accepted_tokens,
+            sp.drafted_tokens,
+            100.0 * sp.acceptance_rate,
+            sp.mean_accepted_per_round
+        );
+    }
+    line + &format!("; {reason}]")
 }
 
 fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {

@@ -96,12 +96,34 @@ pub fn prefill(model: &TargetModel, cache: &mut KvCache, prompt: &[u32]) -> Resu
     last.ok_or_else(|| anyhow::anyhow!("the prompt is empty"))
 }
 
+/// What a caller wants after seeing tokens (see [`generate_until`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    /// Stop now and keep only the first `n` of the tokens just delivered (a stop string ended inside them,
+    /// or the user interrupted). The finish reason is `Stop`.
+    StopAfter(usize),
+}
+
 /// Generate up to `max_new_tokens` after `prompt`; `on_token` sees each token as it is chosen.
 pub fn generate(
     model: &TargetModel,
     prompt: &[u32],
     opts: &GenerateOptions,
     mut on_token: impl FnMut(u32),
+) -> Result<Generation> {
+    generate_until(model, prompt, opts, |t| {
+        on_token(t);
+        Flow::Continue
+    })
+}
+
+/// [`generate`], where `on_token` may also end generation.
+pub fn generate_until(
+    model: &TargetModel,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    mut on_token: impl FnMut(u32) -> Flow,
 ) -> Result<Generation> {
     validate_prompt(model, prompt, opts.context_limit)?;
     opts.sampling.validate()?;
@@ -128,7 +150,14 @@ pub fn generate(
         }
         history.push(token);
         out.tokens.push(token);
-        on_token(token);
+        if let Flow::StopAfter(n) = on_token(token) {
+            if n == 0 {
+                out.tokens.pop();
+                out.logprobs.truncate(out.tokens.len());
+            }
+            out.finish_reason = FinishReason::Stop;
+            break;
+        }
         if !opts.ignore_eos && model.cfg.eos_token_ids.contains(&token) {
             out.finish_reason = FinishReason::Stop;
             break;

@@ -13,7 +13,7 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::config::LayerType;
-use crate::decode::generate::{prefill, validate_prompt, FinishReason, GenerateOptions, Generation, TokenLogprob};
+use crate::decode::generate::{prefill, validate_prompt, FinishReason, Flow, GenerateOptions, Generation, TokenLogprob};
 use crate::decode::sampling::{log_softmax, top_n, Sampler};
 use crate::model::assistant::{Assistant, DraftLogits, DraftStep};
 use crate::model::cache::MAX_ROLLBACK;
@@ -188,6 +188,22 @@ pub fn generate_speculative<D: Drafter + ?Sized>(
     trace: bool,
     mut on_tokens: impl FnMut(&[u32]),
 ) -> Result<(Generation, SpecStats)> {
+    generate_speculative_until(target, drafter, prompt, opts, draft_len, trace, |ts| {
+        on_tokens(ts);
+        Flow::Continue
+    })
+}
+
+/// [`generate_speculative`], where `on_tokens` may also end generation (keeping part of the run).
+pub fn generate_speculative_until<D: Drafter + ?Sized>(
+    target: &TargetModel,
+    drafter: &D,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    draft_len: DraftLength,
+    trace: bool,
+    mut on_tokens: impl FnMut(&[u32]) -> Flow,
+) -> Result<(Generation, SpecStats)> {
     validate_prompt(target, prompt, opts.context_limit)?;
     opts.sampling.validate()?;
     let k_cap = match draft_len {
@@ -238,7 +254,11 @@ pub fn generate_speculative<D: Drafter + ?Sized>(
             }
         }
         gen.logprobs.truncate(gen.tokens.len().min(gen.logprobs.len()));
-        on_tokens(&emitted[..keep]);
+        if let Flow::StopAfter(n) = on_tokens(&emitted[..keep]) {
+            gen.tokens.truncate(gen.tokens.len() - (keep - n.min(keep)));
+            gen.finish_reason = FinishReason::Stop;
+            break;
+        }
         if stop || gen.tokens.len() >= opts.max_new_tokens {
             break;
         }
