@@ -44,9 +44,10 @@ enum Command {
 /// Options shared by `generate` and `chat`.
 #[derive(Args)]
 struct RunArgs {
-    /// Model directory (config.json + safetensors; tokenizer.json for text).
+    /// Model directory (config.json + safetensors; tokenizer.json for text). Default: the small model pair
+    /// that ships with tandem (models/default), with its assistant.
     #[arg(long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// Most tokens to generate (per reply in `chat`). Default: 128 for `generate`, 1024 for `chat`.
     #[arg(long)]
     max_new_tokens: Option<usize>,
@@ -239,7 +240,34 @@ enum TextNeed {
     Optional,
 }
 
+impl RunArgs {
+    /// The target directory: `--model`, else the shipped default.
+    fn model_dir(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(m) => Ok(m.clone()),
+            None => {
+                let dir = bench::default_model_dir().join("target");
+                if !dir.join("config.json").is_file() {
+                    bail!("no --model given and the default model is missing at {}", dir.display());
+                }
+                Ok(dir)
+            }
+        }
+    }
+
+    /// The assistant directory: `--assistant`, else the default pair's assistant when the model is the default.
+    fn assistant_dir(&self) -> Option<PathBuf> {
+        match (&self.assistant, &self.model) {
+            (Some(a), _) => Some(a.clone()),
+            (None, None) => Some(bench::default_model_dir().join("assistant")),
+            (None, Some(_)) => None,
+        }
+    }
+}
+
 fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logprobs: Option<usize>, trace: bool) -> Result<Session> {
+    let model_dir = run.model_dir()?;
+    let assistant_dir = run.assistant_dir();
     let sampling = SamplingParams {
         temperature: run.temperature,
         top_k: run.top_k,
@@ -251,18 +279,18 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
     sampling.validate()?;
     let need = if run.stop.is_empty() || matches!(need, TextNeed::Required(_)) { need } else { TextNeed::Required("--stop needs") };
     if let TextNeed::Required(what) = need {
-        if !has_tokenizer(&run.model) {
-            if !run.model.join("config.json").is_file() {
-                TargetModel::load(&run.model)?; // not a model directory at all: say that
+        if !has_tokenizer(&model_dir) {
+            if !model_dir.join("config.json").is_file() {
+                TargetModel::load(&model_dir)?; // not a model directory at all: say that
             }
             let hint = if what.starts_with("text prompts") || what.starts_with("--chat") { "; use --prompt-ids" } else { "" };
-            bail!("{what} a tokenizer: {} has no {TOKENIZER_FILE}{hint}", run.model.display());
+            bail!("{what} a tokenizer: {} has no {TOKENIZER_FILE}{hint}", model_dir.display());
         }
     }
-    let model = TargetModel::load(&run.model)?;
+    let model = TargetModel::load(&model_dir)?;
     let tokenizer = match need {
-        TextNeed::Required(_) => Some(load_tokenizer(&run.model, model.cfg.vocab_size)?),
-        TextNeed::Optional if has_tokenizer(&run.model) => match load_tokenizer(&run.model, model.cfg.vocab_size) {
+        TextNeed::Required(_) => Some(load_tokenizer(&model_dir, model.cfg.vocab_size)?),
+        TextNeed::Optional if has_tokenizer(&model_dir) => match load_tokenizer(&model_dir, model.cfg.vocab_size) {
             Ok(t) => Some(t),
             Err(e) => {
                 eprintln!("warning: no text output: {}", one_line(&e));
@@ -285,7 +313,7 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
         top_logprobs,
         context_limit,
     };
-    let assistant = match &run.assistant {
+    let assistant = match &assistant_dir {
         Some(dir) => {
             let a = Assistant::load(dir).context("cannot load the assistant")?;
             validate_pair(&model.cfg, &a.cfg).context("the assistant does not match the target")?;
@@ -293,7 +321,7 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
         }
         None => None,
     };
-    if run.assistant.is_none() && (run.draft_tokens.is_some() || trace) {
+    if assistant_dir.is_none() && (run.draft_tokens.is_some() || trace) {
         bail!("--draft-tokens and --trace need --assistant");
     }
     let draft_len = match (&assistant, run.draft_tokens.as_deref()) {
@@ -565,8 +593,8 @@ fn run_chat(args: ChatArgs) -> Result<()> {
     let mut history: Vec<serde_json::Value> = system.iter().cloned().collect();
     eprintln!(
         "tandem chat: {}{} ({})",
-        args.run.model.display(),
-        args.run.assistant.as_ref().map(|a| format!(" with assistant {}", a.display())).unwrap_or_default(),
+        args.run.model_dir()?.display(),
+        args.run.assistant_dir().map(|a| format!(" with assistant {}", a.display())).unwrap_or_default(),
         CHAT_HELP
     );
     let lines = stdin_lines();
