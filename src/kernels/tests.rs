@@ -338,6 +338,8 @@ fn softcap_and_bf16_rounding_match_scalar() {
     let mut rng = Rng(77);
     // Raw logits over a wide range, including exact zeros, huge values and infinities.
     let mut base = rng.vec(1000, 200.0);
+    base.extend(rng.vec(1000, 30.0)); // |x/c| < 1: the range where the series takes over
+    base.extend(rng.vec(1000, 0.01));
     base.extend([0.0, -0.0, 1e-30, 3e38, -3e38, f32::INFINITY, f32::NEG_INFINITY]);
     for isa in simd_isas() {
         for dt in [DType::F32, DType::BF16] {
@@ -347,7 +349,7 @@ fn softcap_and_bf16_rounding_match_scalar() {
             softcap_with(isa, &mut got, 30.0, dt);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 // bf16: one tanh ulp may move a value across a rounding boundary (one bf16 step at 30 is 0.125).
-                let tol = if dt == DType::BF16 { 0.125 + 1e-6 } else { 2e-5 };
+                let tol = if dt == DType::BF16 { 0.125 + 1e-6 } else { 2e-5 * (1.0 + w.abs()) };
                 assert!((g - w).abs() <= tol, "{isa:?} {dt:?} [{i}] x={}: {g} vs {w}", base[i]);
             }
         }

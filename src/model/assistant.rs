@@ -222,7 +222,8 @@ impl Assistant {
             let m = gelu_mlp(&xn, 1, layer.gate.mat(), layer.up.mat(), layer.down.mat(), dt);
             add_normed(&mut x, &m, &layer.post_ff_norm, eps, dt);
             let s = layer.scalar;
-            x.iter_mut().for_each(|v| *v = dt.round(*v * s));
+            x.iter_mut().for_each(|v| *v *= s);
+            dt.round_slice(&mut x);
         }
         let hd = norm_rows(&x, 1, &self.final_norm, eps, dt);
         let mut hidden = vec![0f32; self.cfg.backbone_hidden_size];

@@ -23,10 +23,9 @@ pub fn norm_heads(x: &mut [f32], d: usize, w: Option<&[f32]>, eps: f32, dt: DTyp
     let mut tmp = vec![0f32; d];
     for head in x.chunks_exact_mut(d) {
         kernels::rms_norm(head, w, eps, &mut tmp);
-        for (a, b) in head.iter_mut().zip(&tmp) {
-            *a = dt.round(*b);
-        }
+        head.copy_from_slice(&tmp);
     }
+    dt.round_slice(x);
 }
 
 /// `h = h + round(rms(y; w))`, rounded.
@@ -35,9 +34,11 @@ pub fn add_normed(h: &mut [f32], y: &[f32], w: &[f32], eps: f32, dt: DType) {
     let mut tmp = vec![0f32; width];
     for (hr, yr) in h.chunks_exact_mut(width).zip(y.chunks_exact(width)) {
         kernels::rms_norm(yr, Some(w), eps, &mut tmp);
+        dt.round_slice(&mut tmp);
         for (a, b) in hr.iter_mut().zip(&tmp) {
-            *a = dt.round(*a + dt.round(*b));
+            *a += *b;
         }
+        dt.round_slice(hr);
     }
 }
 
@@ -51,9 +52,11 @@ pub fn gelu_mlp(x: &[f32], rows: usize, gate: MatRef, up: MatRef, down: MatRef, 
     dt.round_slice(&mut g);
     dt.round_slice(&mut u);
     kernels::gelu_tanh(&mut g);
+    dt.round_slice(&mut g);
     for (a, b) in g.iter_mut().zip(&u) {
-        *a = dt.round(dt.round(*a) * b);
+        *a *= b;
     }
+    dt.round_slice(&mut g);
     let mut out = vec![0f32; rows * down.rows];
     kernels::matmul(&g, rows, down, &mut out);
     dt.round_slice(&mut out);

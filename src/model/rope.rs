@@ -48,13 +48,24 @@ impl Rope {
     pub fn apply(&self, x: &mut [f32], cos: &[f32], sin: &[f32], dtype: DType) {
         let d = self.head_dim;
         let half = d / 2;
+        // Products and sums in whole-head slices so the roundings vectorise.
+        let mut xc = vec![0f32; d];
+        let mut rs = vec![0f32; d];
         for head in x.chunks_exact_mut(d) {
             for j in 0..half {
                 let (x1, x2) = (head[j], head[j + half]);
                 let (c, s) = (cos[j], sin[j]);
-                head[j] = dtype.round(dtype.round(x1 * c) + dtype.round(-x2 * s));
-                head[j + half] = dtype.round(dtype.round(x2 * c) + dtype.round(x1 * s));
+                xc[j] = x1 * c;
+                xc[j + half] = x2 * c;
+                rs[j] = -x2 * s;
+                rs[j + half] = x1 * s;
             }
+            dtype.round_slice(&mut xc);
+            dtype.round_slice(&mut rs);
+            for ((h, a), b) in head.iter_mut().zip(&xc).zip(&rs) {
+                *h = a + b;
+            }
+            dtype.round_slice(head);
         }
     }
 

@@ -298,7 +298,8 @@ impl TargetModel {
                 self.ple_block(li, lp, pc.dim, pin, &mut h, rows);
             }
             let s = layer.scalar;
-            h.iter_mut().for_each(|x| *x = dt.round(*x * s));
+            h.iter_mut().for_each(|x| *x *= s);
+            dt.round_slice(&mut h);
         }
         cache.advance(n);
 
@@ -521,12 +522,14 @@ impl TargetModel {
         kernels::matmul(h, rows, lp.gate.mat(), &mut g);
         dt.round_slice(&mut g);
         kernels::gelu_tanh(&mut g);
+        dt.round_slice(&mut g);
         for (r, gr) in g.chunks_exact_mut(p).enumerate() {
             let pin = &ple_in[(r * l_count + li) * p..(r * l_count + li + 1) * p];
             for (x, y) in gr.iter_mut().zip(pin) {
-                *x = dt.round(dt.round(*x) * y);
+                *x *= y;
             }
         }
+        dt.round_slice(&mut g);
         let mut out = vec![0f32; rows * self.cfg.hidden_size];
         kernels::matmul(&g, rows, lp.proj.mat(), &mut out);
         dt.round_slice(&mut out);
