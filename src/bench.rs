@@ -401,6 +401,10 @@ pub struct PairReport {
     pub acceptance_by_position: Vec<f64>,
     /// Greedy output with drafting equal to greedy output without, for every prompt.
     pub identical_output: bool,
+    /// Mean time of one draft step and of one plain decode step, and their ratio.
+    pub draft_step_ms: f64,
+    pub target_step_ms: f64,
+    pub draft_step_ratio: f64,
 }
 
 impl PairReport {
@@ -422,6 +426,12 @@ impl PairReport {
         for a in &self.acceptance_by_position {
             s += &format!(" {:.0}%", 100.0 * a);
         }
+        s += &format!(
+            "\ndraft step {:.3} ms = {:.1}% of a target decode step ({:.3} ms)",
+            self.draft_step_ms,
+            100.0 * self.draft_step_ratio,
+            self.target_step_ms
+        );
         s += &format!("\noutput identical with and without drafting: {}\n", if self.identical_output { "yes" } else { "NO" });
         s
     }
@@ -467,6 +477,7 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     };
     let (mut plain_s, mut spec_s, mut tokens) = (0.0, 0.0, 0usize);
     let (mut rounds, mut drafted, mut accepted) = (0usize, 0usize, 0usize);
+    let mut draft_s = 0.0;
     let mut by_position: Vec<usize> = Vec::new();
     let mut identical = true;
     let decode_time = |g: &crate::decode::generate::Generation| {
@@ -483,6 +494,7 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
         rounds += stats.draft_rounds;
         drafted += stats.drafted_tokens;
         accepted += stats.accepted_tokens;
+        draft_s += stats.draft_seconds;
         if by_position.len() < stats.accepted_per_position.len() {
             by_position.resize(stats.accepted_per_position.len(), 0);
         }
@@ -491,6 +503,8 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
         }
     }
     let per_round = |n: usize| if rounds > 0 { n as f64 / rounds as f64 } else { 0.0 };
+    let draft_step = if drafted > 0 { draft_s / drafted as f64 } else { 0.0 };
+    let target_step = plain_s / tokens.max(1) as f64;
     Ok(PairReport {
         prompts: prompts.len(),
         generated_tokens: tokens + prompts.len(),
@@ -505,5 +519,8 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
         acceptance_rate: if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
         acceptance_by_position: by_position.iter().map(|&n| per_round(n)).collect(),
         identical_output: identical,
+        draft_step_ms: draft_step * 1e3,
+        target_step_ms: target_step * 1e3,
+        draft_step_ratio: draft_step / target_step.max(1e-12),
     })
 }

@@ -57,6 +57,9 @@ pub struct SpecStats {
     pub mean_accepted_per_round: f64,
     /// How often the i-th draft of a round was accepted.
     pub accepted_per_position: Vec<usize>,
+    /// Wall time spent in draft steps and in verify forwards (rounds with drafts only).
+    pub draft_seconds: f64,
+    pub verify_seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rounds: Option<Vec<Round>>,
 }
@@ -345,9 +348,12 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
         }
         cache.rollback(k - accepted)?;
         h = out.hidden_row(accepted).to_vec();
-        adaptive.record(k, accepted, draft_s, tv.elapsed().as_secs_f64());
+        let verify_s = tv.elapsed().as_secs_f64();
+        adaptive.record(k, accepted, draft_s, verify_s);
 
         if k > 0 {
+            spec.draft_seconds += draft_s;
+            spec.verify_seconds += verify_s;
             spec.draft_rounds += 1;
             spec.drafted_tokens += k;
             spec.accepted_tokens += accepted;
