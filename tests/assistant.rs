@@ -16,15 +16,15 @@ fn donor(g: &Golden, key: &str, kind: LayerType, n: usize) -> LayerKv {
     let (shape, k) = g.tensor(&format!("{key}_k"));
     let (_, v) = g.tensor(&format!("{key}_v"));
     let (heads, t, d) = (shape[0], shape[1], shape[2]);
-    let mut out = LayerKv { kind, kv_heads: heads, head_dim: d, start: 0, k: Vec::new(), v: Vec::new() };
+    let (mut ks, mut vs) = (Vec::new(), Vec::new());
     for ti in 0..n {
         for hi in 0..heads {
             let at = (hi * t + ti) * d;
-            out.k.extend_from_slice(&k[at..at + d]);
-            out.v.extend_from_slice(&v[at..at + d]);
+            ks.extend_from_slice(&k[at..at + d]);
+            vs.extend_from_slice(&v[at..at + d]);
         }
     }
-    out
+    LayerKv::from_f32(kind, heads, d, 0, ks, vs)
 }
 
 #[test]

@@ -53,7 +53,7 @@ fn full_prompt_logits_hidden_and_store_kv_match_transformers() {
         assert!(mh <= max_tol * 4.0 && ah <= mean_tol * 4.0, "{name}: hidden differs: max {mh}, mean {ah}");
         for (kind, key) in [(LayerType::Sliding, "kv_sliding"), (LayerType::Full, "kv_full")] {
             let kv = cache.store_kv(&model.cfg, kind).expect("store layer");
-            for (part, ours) in [("k", &kv.k), ("v", &kv.v)] {
+            for (part, ours) in [("k", kv.k.to_f32()), ("v", kv.v.to_f32())] {
                 let (shape, want) = g.tensor(&format!("{key}_{part}"));
                 let (heads, t, d) = (shape[0], shape[1], shape[2]);
                 assert_eq!((heads, d), (kv.kv_heads, kv.head_dim), "{name} {key}_{part} geometry");

@@ -4,12 +4,79 @@
 use anyhow::{bail, Result};
 
 use crate::config::{KvMode, LayerType, TextConfig};
+use crate::kernels::DType;
 
 /// The most entries a single rollback may remove (and so the most rows one forward can later undo).
 pub const MAX_ROLLBACK: usize = 64;
 
-/// Keys and values of one layer: `[entries, kv_heads, head_dim]`, post k_norm+RoPE / post v_norm,
-/// values already rounded to the model dtype.
+/// Cached keys or values. Entries are already rounded to the model dtype, so a bf16 model keeps them as
+/// bf16 without loss: half the memory and half the attention reads of f32.
+#[derive(Clone, Debug)]
+pub enum KvData {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
+impl KvData {
+    fn new(dtype: DType) -> KvData {
+        match dtype {
+            DType::BF16 => KvData::Bf16(Vec::new()),
+            DType::F32 | DType::F16 => KvData::F32(Vec::new()),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            KvData::F32(v) => v.len(),
+            KvData::Bf16(v) => v.len(),
+        }
+    }
+
+    fn extend(&mut self, xs: &[f32]) {
+        match self {
+            KvData::F32(v) => v.extend_from_slice(xs),
+            KvData::Bf16(v) => v.extend(xs.iter().map(|&x| half::bf16::from_f32(x).to_bits())),
+        }
+    }
+
+    fn truncate(&mut self, n: usize) {
+        match self {
+            KvData::F32(v) => v.truncate(n),
+            KvData::Bf16(v) => v.truncate(n),
+        }
+    }
+
+    fn drain_front(&mut self, n: usize) {
+        match self {
+            KvData::F32(v) => drop(v.drain(..n)),
+            KvData::Bf16(v) => drop(v.drain(..n)),
+        }
+    }
+
+    /// Elements `at..at+n`, widened into `buf` when stored as bf16.
+    #[inline]
+    fn slice<'a>(&'a self, at: usize, n: usize, buf: &'a mut [f32]) -> &'a [f32] {
+        match self {
+            KvData::F32(v) => &v[at..at + n],
+            KvData::Bf16(v) => {
+                for (o, &b) in buf[..n].iter_mut().zip(&v[at..at + n]) {
+                    *o = f32::from_bits((b as u32) << 16);
+                }
+                &buf[..n]
+            }
+        }
+    }
+
+    /// Every element as f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self {
+            KvData::F32(v) => v.clone(),
+            KvData::Bf16(v) => v.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect(),
+        }
+    }
+}
+
+/// Keys and values of one layer: `[entries, kv_heads, head_dim]`, post k_norm+RoPE / post v_norm.
 #[derive(Clone, Debug)]
 pub struct LayerKv {
     pub kind: LayerType,
@@ -17,11 +84,16 @@ pub struct LayerKv {
     pub head_dim: usize,
     /// Absolute position of entry 0.
     pub start: usize,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub k: KvData,
+    pub v: KvData,
 }
 
 impl LayerKv {
+    /// A layer holding the given f32 keys and values (`[entries, kv_heads, head_dim]`) from position `start`.
+    pub fn from_f32(kind: LayerType, kv_heads: usize, head_dim: usize, start: usize, k: Vec<f32>, v: Vec<f32>) -> LayerKv {
+        LayerKv { kind, kv_heads, head_dim, start, k: KvData::F32(k), v: KvData::F32(v) }
+    }
+
     fn row(&self) -> usize {
         self.kv_heads * self.head_dim
     }
@@ -35,17 +107,15 @@ impl LayerKv {
         self.start + self.entries()
     }
 
-    /// Key of absolute position `pos`, KV head `g`.
+    /// Key of absolute position `pos`, KV head `g` (`buf`: scratch of at least `head_dim`).
     #[inline]
-    pub fn key(&self, pos: usize, g: usize) -> &[f32] {
-        let i = (pos - self.start) * self.row() + g * self.head_dim;
-        &self.k[i..i + self.head_dim]
+    pub fn key<'a>(&'a self, pos: usize, g: usize, buf: &'a mut [f32]) -> &'a [f32] {
+        self.k.slice((pos - self.start) * self.row() + g * self.head_dim, self.head_dim, buf)
     }
 
     #[inline]
-    pub fn value(&self, pos: usize, g: usize) -> &[f32] {
-        let i = (pos - self.start) * self.row() + g * self.head_dim;
-        &self.v[i..i + self.head_dim]
+    pub fn value<'a>(&'a self, pos: usize, g: usize, buf: &'a mut [f32]) -> &'a [f32] {
+        self.v.slice((pos - self.start) * self.row() + g * self.head_dim, self.head_dim, buf)
     }
 }
 
@@ -57,7 +127,8 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub fn new(cfg: &TextConfig) -> KvCache {
+    /// Caches for `cfg`, storing entries in `dtype` (the model dtype).
+    pub fn new(cfg: &TextConfig, dtype: DType) -> KvCache {
         let layers = cfg
             .layers
             .iter()
@@ -67,8 +138,8 @@ impl KvCache {
                     kv_heads: l.kv_heads,
                     head_dim: l.head_dim,
                     start: 0,
-                    k: Vec::new(),
-                    v: Vec::new(),
+                    k: KvData::new(dtype),
+                    v: KvData::new(dtype),
                 })
             })
             .collect();
@@ -87,8 +158,8 @@ impl KvCache {
     pub fn clear(&mut self) {
         for l in self.layers.iter_mut().flatten() {
             l.start = 0;
-            l.k.clear();
-            l.v.clear();
+            l.k.truncate(0);
+            l.v.truncate(0);
         }
         self.len = 0;
     }
@@ -101,8 +172,8 @@ impl KvCache {
     pub(crate) fn append(&mut self, i: usize, k: &[f32], v: &[f32]) {
         let l = self.layers[i].as_mut().expect("append to a layer with a cache");
         debug_assert_eq!(l.end(), self.len, "layer {i} out of step with the cache");
-        l.k.extend_from_slice(k);
-        l.v.extend_from_slice(v);
+        l.k.extend(k);
+        l.v.extend(v);
     }
 
     /// Mark `rows` new positions as processed, and trim sliding layers (amortised: only when they have
@@ -114,8 +185,8 @@ impl KvCache {
             if l.kind == LayerType::Sliding && l.entries() > 2 * keep {
                 let drop = l.entries() - keep;
                 let row = l.row();
-                l.k.drain(..drop * row);
-                l.v.drain(..drop * row);
+                l.k.drain_front(drop * row);
+                l.v.drain_front(drop * row);
                 l.start += drop;
             }
         }

@@ -87,8 +87,9 @@ pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usi
         let qs = &q[(r * hq + h0) * d..(r * hq + h0 + sub) * d];
         let n = range.len();
         let mut s = vec![0f32; sub * n];
+        let mut buf = vec![0f32; d];
         for (i, t) in range.clone().enumerate() {
-            let k = kv.key(t, g);
+            let k = kv.key(t, g, &mut buf);
             for (j, qv) in qs.chunks_exact(d).enumerate() {
                 s[j * n + i] = dt.round(kernels::dot(qv, k));
             }
@@ -99,7 +100,7 @@ pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usi
         }
         o.iter_mut().for_each(|x| *x = 0.0);
         for (i, t) in range.enumerate() {
-            let v = kv.value(t, g);
+            let v = kv.value(t, g, &mut buf);
             for (j, oj) in o.chunks_exact_mut(d).enumerate() {
                 kernels::axpy(s[j * n + i], v, oj);
             }

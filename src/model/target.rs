@@ -225,7 +225,7 @@ impl TargetModel {
     }
 
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(&self.cfg)
+        KvCache::new(&self.cfg, self.dtype)
     }
 
     /// Bytes of weights one decode step reads (every matrix once; embedding rows are negligible).
