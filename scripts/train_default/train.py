@@ -43,9 +43,9 @@ unused ids below 107 are ``<unusedN>``. The 256 byte tokens follow, then the lea
 Target
 ------
 Gemma 4 text architecture at small scale, built and trained with transformers' own
-``Gemma4ForCausalLM``: hidden 256, 8 layers ``[S,S,S,F] x 2`` (sliding window 128, proportional
-RoPE with partial factor 0.25 on the full layers), 4 query heads of 64 (sliding) / 128 (full)
-dims and one KV head, MLP 1024, the last 2 layers reuse the K/V of layers 5 (S) and 3 (F),
+``Gemma4ForCausalLM``: hidden 384, 6 layers ``[S,S,F] x 2`` (sliding window 128, proportional
+RoPE with partial factor 0.25 on the full layers), 6 query heads of 64 (sliding) / 128 (full)
+dims and one KV head, MLP 1536, the last 2 layers reuse the K/V of layers 3 (S) and 2 (F),
 per-layer embeddings of width 16, final-logit softcap 30, tied embeddings. (The per-layer
 embeddings are not just for coverage: transformers 5.23.0 crashes in
 ``_maybe_slice_kv_shared_inputs`` when KV sharing is on and PLE is off.) Next-token cross-entropy,
