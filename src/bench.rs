@@ -383,7 +383,7 @@ pub struct PairOptions {
     pub assistant: std::path::PathBuf,
     /// JSON list of prompts: each an object with `ids` (and optional `text`), or a plain list of ids.
     pub prompts: std::path::PathBuf,
-    pub draft: crate::decode::speculative::DraftLength,
+    pub draft: crate::decode::draft_policy::DraftLength,
     pub max_new_tokens: usize,
 }
 
@@ -480,13 +480,15 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     let mut draft_s = 0.0;
     let mut by_position: Vec<usize> = Vec::new();
     let mut identical = true;
+    // One policy for all prompts, as a server would keep one per model pair.
+    let mut policy = crate::decode::draft_policy::DraftPolicy::from(opts.draft);
     let decode_time = |g: &crate::decode::generate::Generation| {
         (g.tokens.len().saturating_sub(1)) as f64 / g.stats.decode_tokens_per_s.max(1e-9)
     };
     for (i, p) in prompts.iter().enumerate() {
         log(&format!("prompt {}/{}", i + 1, prompts.len()));
         let plain = generate(&target, p, &gen, |_| {})?;
-        let (spec, stats) = generate_speculative(&target, &assistant, p, &gen, opts.draft, false, |_| {})?;
+        let (spec, stats) = generate_speculative(&target, &assistant, p, &gen, &mut policy, false, |_| {})?;
         identical &= plain.tokens == spec.tokens;
         plain_s += decode_time(&plain);
         spec_s += decode_time(&spec);
@@ -508,10 +510,7 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     Ok(PairReport {
         prompts: prompts.len(),
         generated_tokens: tokens + prompts.len(),
-        draft_tokens: match opts.draft {
-            crate::decode::speculative::DraftLength::Fixed(k) => k.to_string(),
-            crate::decode::speculative::DraftLength::Auto => "auto".into(),
-        },
+        draft_tokens: opts.draft.to_string(),
         plain_decode_tokens_per_s: tokens as f64 / plain_s.max(1e-9),
         speculative_decode_tokens_per_s: tokens as f64 / spec_s.max(1e-9),
         speedup: plain_s / spec_s.max(1e-9),

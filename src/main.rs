@@ -1,5 +1,6 @@
 //! The `tandem` command line.
 
+use std::cell::RefCell;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -15,7 +16,8 @@ use tandem::bench::{self, BenchOptions, Preset};
 use tandem::config::validate_pair;
 use tandem::decode::generate::{generate_until, FinishReason, Flow, GenerateOptions, Generation};
 use tandem::decode::sampling::SamplingParams;
-use tandem::decode::speculative::{generate_speculative_until, DraftLength, SpecStats, MAX_DRAFT};
+use tandem::decode::draft_policy::{DraftLength, DraftPolicy, MAX_DRAFT};
+use tandem::decode::speculative::{generate_speculative_until, SpecStats};
 use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
 use tandem::text::stream::terminal_safe;
@@ -226,7 +228,8 @@ fn parse_ids(s: &str) -> Result<Vec<u32>> {
 struct Session {
     model: TargetModel,
     assistant: Option<Assistant>,
-    draft_len: Option<DraftLength>,
+    /// Kept for the whole session, so `auto` carries what it learned from one turn to the next.
+    draft: Option<RefCell<DraftPolicy>>,
     opts: GenerateOptions,
     tokenizer: Option<TextTokenizer>,
 }
@@ -333,7 +336,8 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
             None => DraftLength::Auto,
         }),
     };
-    Ok(Session { model, assistant, draft_len, opts, tokenizer })
+    let draft = draft_len.map(|d| RefCell::new(DraftPolicy::from(d)));
+    Ok(Session { model, assistant, draft, opts, tokenizer })
 }
 
 fn load_tokenizer(dir: &Path, vocab_size: usize) -> Result<TextTokenizer> {
@@ -386,9 +390,10 @@ impl Session {
     }
 
     fn generate(&self, prompt: &[u32], trace: bool, mut on_tokens: impl FnMut(&[u32]) -> Flow) -> Result<(Generation, Option<SpecStats>)> {
-        match (&self.assistant, self.draft_len) {
-            (Some(a), Some(dl)) => {
-                let (g, s) = generate_speculative_until(&self.model, a, prompt, &self.opts, dl, trace, on_tokens)?;
+        match (&self.assistant, &self.draft) {
+            (Some(a), Some(policy)) => {
+                let policy = &mut *policy.borrow_mut();
+                let (g, s) = generate_speculative_until(&self.model, a, prompt, &self.opts, policy, trace, on_tokens)?;
                 Ok((g, Some(s)))
             }
             _ => Ok((generate_until(&self.model, prompt, &self.opts, |t| on_tokens(&[t]))?, None)),

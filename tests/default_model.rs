@@ -10,7 +10,8 @@ use serde_json::Value;
 use tandem::config::validate_pair;
 use tandem::decode::generate::{generate, GenerateOptions};
 use tandem::decode::sampling::SamplingParams;
-use tandem::decode::speculative::{generate_speculative, DraftLength};
+use tandem::decode::draft_policy::DraftLength;
+use tandem::decode::speculative::generate_speculative;
 use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
 
@@ -43,7 +44,7 @@ fn drafting_on_the_shipped_pair_is_lossless_and_accepted() {
     for prompt in heldout().iter().take(8) {
         let plain = generate(&target, prompt, &opts, |_| {}).unwrap().tokens;
         for dl in [DraftLength::Fixed(4), DraftLength::Fixed(2), DraftLength::Auto] {
-            let (g, s) = generate_speculative(&target, &assistant, prompt, &opts, dl, false, |_| {}).unwrap();
+            let (g, s) = generate_speculative(&target, &assistant, prompt, &opts, &mut dl.into(), false, |_| {}).unwrap();
             assert_eq!(g.tokens, plain, "{dl:?}");
             if dl == DraftLength::Fixed(4) {
                 rounds += s.draft_rounds;

@@ -9,7 +9,8 @@ use std::collections::HashMap;
 use common::*;
 use tandem::decode::generate::{generate, GenerateOptions};
 use tandem::decode::sampling::{Rng, Sampler, SamplingParams};
-use tandem::decode::speculative::{generate_speculative, DraftLength, Drafter};
+use tandem::decode::draft_policy::DraftLength;
+use tandem::decode::speculative::{generate_speculative, Drafter};
 use tandem::model::assistant::{Assistant, DraftLogits, DraftStep};
 use tandem::model::{Keep, KvCache, TargetModel};
 
@@ -62,7 +63,7 @@ fn greedy_with_the_real_drafters_equals_plain_greedy() {
             let o = opts(30, sampling);
             let plain = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
             for dl in [DraftLength::Fixed(1), DraftLength::Fixed(3), DraftLength::Fixed(5), DraftLength::Fixed(8), DraftLength::Auto] {
-                let (g, stats) = generate_speculative(&target, &a, &prompt, &o, dl, true, |_| {}).unwrap();
+                let (g, stats) = generate_speculative(&target, &a, &prompt, &o, &mut dl.into(), true, |_| {}).unwrap();
                 assert_eq!(g.tokens, plain, "{name} {dl:?} prompt {prompt:?}");
                 assert_eq!(stats.drafted_tokens, stats.rounds.as_ref().unwrap().iter().map(|r| r.drafted.len()).sum::<usize>());
             }
@@ -82,7 +83,7 @@ fn greedy_with_partial_and_full_acceptance_equals_plain_greedy_on_every_target()
             let truth: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
             for (k, err) in [(1, 0.3), (4, 0.0), (4, 0.3), (7, 0.15)] {
                 let oracle = Oracle::new(truth.clone(), err, case);
-                let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, DraftLength::Fixed(k), true, |_| {}).unwrap();
+                let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Fixed(k).into(), true, |_| {}).unwrap();
                 assert_eq!(g.tokens, plain, "{name} k={k} err={err}");
                 let rounds = stats.rounds.unwrap();
                 if err == 0.0 {
@@ -105,7 +106,7 @@ fn eos_and_max_new_tokens_are_exact() {
     for max_new in 1..12 {
         let o = opts(max_new, SamplingParams::default());
         let oracle = Oracle::new(truth.clone(), 0.0, 1);
-        let (g, _) = generate_speculative(&target, &oracle, &prompt, &o, DraftLength::Fixed(5), false, |_| {}).unwrap();
+        let (g, _) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Fixed(5).into(), false, |_| {}).unwrap();
         assert_eq!(g.tokens, plain[..max_new], "max_new_tokens {max_new}");
     }
     // An eos id that the drafts run straight through: generation stops right after it.
@@ -114,7 +115,7 @@ fn eos_and_max_new_tokens_are_exact() {
     let o = GenerateOptions { ignore_eos: false, ..opts(40, SamplingParams::default()) };
     let oracle = Oracle::new(truth.clone(), 0.0, 1);
     let mut streamed = Vec::new();
-    let (g, _) = generate_speculative(&target, &oracle, &prompt, &o, DraftLength::Fixed(6), false, |t| streamed.extend_from_slice(t)).unwrap();
+    let (g, _) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Fixed(6).into(), false, |t| streamed.extend_from_slice(t)).unwrap();
     assert_eq!(g.tokens, plain[..=at]);
     assert_eq!(streamed, g.tokens, "only committed tokens are streamed");
     assert_eq!(g.finish_reason, tandem::decode::generate::FinishReason::Stop);
@@ -193,13 +194,13 @@ fn speculative_sampling_has_exactly_the_plain_sampling_distribution() {
     // Real drafter (drafts sampled from its own processed distribution) and a point-mass drafter that
     // proposes plausible but often wrong tokens.
     let spec_real: Vec<Vec<u32>> = (0..n as u64)
-        .map(|s| generate_speculative(&target, &a, &prompt, &o(s), DraftLength::Fixed(3), false, |_| {}).unwrap().0.tokens)
+        .map(|s| generate_speculative(&target, &a, &prompt, &o(s), &mut DraftLength::Fixed(3).into(), false, |_| {}).unwrap().0.tokens)
         .collect();
     let truth: Vec<u32> = prompt.iter().copied().chain(generate(&target, &prompt, &opts(3, SamplingParams::default()), |_| {}).unwrap().tokens).collect();
     let spec_oracle: Vec<Vec<u32>> = (0..n as u64)
         .map(|s| {
             let oracle = Oracle::new(truth.clone(), 0.5, s);
-            generate_speculative(&target, &oracle, &prompt, &o(s), DraftLength::Fixed(3), false, |_| {}).unwrap().0.tokens
+            generate_speculative(&target, &oracle, &prompt, &o(s), &mut DraftLength::Fixed(3).into(), false, |_| {}).unwrap().0.tokens
         })
         .collect();
     for (label, runs) in [("assistant", spec_real), ("oracle", spec_oracle)] {
@@ -230,7 +231,7 @@ fn auto_draft_length_stops_drafting_when_nothing_is_accepted() {
     let plain = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
     let wrong: Vec<u32> = prompt.iter().chain(&plain).map(|t| (t + 1) % 256).collect();
     let oracle = Oracle::new(wrong, 0.0, 3);
-    let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, DraftLength::Auto, true, |_| {}).unwrap();
+    let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Auto.into(), true, |_| {}).unwrap();
     assert_eq!(g.tokens, plain);
     assert_eq!(stats.accepted_tokens, 0);
     let rounds = stats.rounds.unwrap();
@@ -238,10 +239,10 @@ fn auto_draft_length_stops_drafting_when_nothing_is_accepted() {
     assert!(stats.drafted_tokens < 40, "drafted {} tokens in {} rounds", stats.drafted_tokens, rounds.len());
     // With a perfect drafter the output is the same too. (How much auto drafts then depends on measured
     // costs, which a test cannot pin down; the policy itself is tested with synthetic costs in
-    // src/decode/speculative.rs.)
+    // src/decode/draft_policy.rs.)
     let truth: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
     let oracle = Oracle::new(truth, 0.0, 3);
-    let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, DraftLength::Auto, false, |_| {}).unwrap();
+    let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Auto.into(), false, |_| {}).unwrap();
     assert_eq!(g.tokens, plain);
     assert_eq!(stats.accepted_tokens, stats.drafted_tokens);
 }

@@ -1,3 +1,4 @@
+pub mod draft_policy;
 pub mod generate;
 pub mod sampling;
 pub mod speculative;

@@ -13,34 +13,12 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::config::LayerType;
+use crate::decode::draft_policy::DraftPolicy;
 use crate::decode::generate::{prefill, validate_prompt, FinishReason, Flow, GenerateOptions, Generation, TokenLogprob};
 use crate::decode::sampling::{log_softmax, top_n, Sampler};
 use crate::model::assistant::{Assistant, DraftLogits, DraftStep};
 use crate::model::cache::MAX_ROLLBACK;
 use crate::model::{Keep, KvCache, TargetModel};
-
-/// The most draft tokens per round (the verify forward then has up to this + 1 rows).
-pub const MAX_DRAFT: usize = 16;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DraftLength {
-    Fixed(usize),
-    /// Chosen each round from measured acceptance and costs; 0 (plain decoding) when drafting does not pay.
-    Auto,
-}
-
-impl DraftLength {
-    /// `auto` or a number of draft tokens from 1 to `MAX_DRAFT`.
-    pub fn parse(s: &str) -> Result<DraftLength> {
-        match s {
-            "auto" => Ok(DraftLength::Auto),
-            k => match k.parse::<usize>() {
-                Ok(k) if (1..=MAX_DRAFT).contains(&k) => Ok(DraftLength::Fixed(k)),
-                _ => anyhow::bail!("--draft-tokens must be a number from 1 to {MAX_DRAFT} or `auto`, got {k:?}"),
-            },
-        }
-    }
-}
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Round {
@@ -89,109 +67,17 @@ struct Draft {
     q: Vec<(u32, f32)>,
 }
 
-/// Prior of the per-position acceptance estimates: one accept in two tries.
-const PRIOR: (f64, f64) = (1.0, 2.0);
-
-/// Running estimates behind `--draft-tokens auto`.
-struct Adaptive {
-    /// Per draft position: (accepted, tried), with a weak prior of one half.
-    accept: Vec<(f64, f64)>,
-    draft_step_s: Option<f64>,
-    /// Verify time by row count (exponential moving averages).
-    verify_s: Vec<Option<f64>>,
-    rounds_since_probe: usize,
-}
-
-impl Adaptive {
-    fn new() -> Adaptive {
-        Adaptive { accept: vec![PRIOR; MAX_DRAFT], draft_step_s: None, verify_s: vec![None; MAX_DRAFT + 2], rounds_since_probe: 0 }
-    }
-
-    fn ema(old: Option<f64>, new: f64) -> Option<f64> {
-        Some(old.map_or(new, |o| 0.8 * o + 0.2 * new))
-    }
-
-    fn verify_cost(&self, rows: usize) -> Option<f64> {
-        // Unmeasured row counts: interpolate from the nearest measured ones, else assume flat-ish cost.
-        if let Some(t) = self.verify_s[rows] {
-            return Some(t);
-        }
-        let one = self.verify_s[1]?;
-        let known = (1..self.verify_s.len()).filter_map(|r| self.verify_s[r].map(|t| (r, t))).max_by_key(|(r, _)| *r);
-        Some(match known {
-            Some((r, t)) if r > 1 => one + (t - one) * (rows - 1) as f64 / (r - 1) as f64,
-            _ => one * (1.0 + 0.05 * (rows - 1) as f64),
-        })
-    }
-
-    /// The k in 0..=k_max with the best expected tokens per second; drafting must beat plain steps by a
-    /// clear margin, so timing noise alone never keeps a useless drafter running.
-    fn choose(&mut self, k_max: usize) -> usize {
-        // First measure a plain step, then a short drafting round.
-        if self.verify_s[1].is_none() {
-            return 0;
-        }
-        let Some(step) = self.draft_step_s else {
-            return k_max.min(2);
-        };
-        let mut best = (0usize, 0f64);
-        let mut reach = 1.0; // probability that the first j drafts are all accepted
-        let mut expected = 1.0; // expected tokens per round
-        let mut last_rate = 0.5;
-        for k in 0..=k_max {
-            if k > 0 {
-                // A position never tried yet is assumed as good as the one before it (optimistic, so a
-                // good drafter gets to show that longer drafts pay).
-                let (a, n) = self.accept[k - 1];
-                let rate = if n > PRIOR.1 { a / n } else { last_rate };
-                last_rate = rate;
-                reach *= rate;
-                expected += reach;
-            }
-            let cost = k as f64 * step + self.verify_cost(k + 1).unwrap_or(f64::INFINITY);
-            let rate = expected / cost;
-            let margin = if k == 0 { 1.0 } else { 1.05 };
-            // Drafts expected to add under a tenth of a token per round are not worth the risk that a
-            // noisy timing makes them look free.
-            if rate > best.1 * margin && (k == 0 || expected - 1.0 >= 0.1) {
-                best = (k, rate);
-            }
-        }
-        // Now and then try the other regime, so stale estimates (acceptance changes with the text, a
-        // timing taken during a hiccup) get refreshed: one draft when not drafting, a plain step when drafting.
-        self.rounds_since_probe += 1;
-        if self.rounds_since_probe >= 32 && k_max > 0 {
-            self.rounds_since_probe = 0;
-            return if best.0 == 0 { 1 } else { 0 };
-        }
-        best.0
-    }
-
-    fn record(&mut self, drafted: usize, accepted: usize, draft_s: f64, verify_s: f64) {
-        for i in 0..drafted {
-            self.accept[i].1 += 1.0;
-            if i < accepted {
-                self.accept[i].0 += 1.0;
-            }
-        }
-        if drafted > 0 {
-            self.draft_step_s = Self::ema(self.draft_step_s, draft_s / drafted as f64);
-        }
-        self.verify_s[drafted + 1] = Self::ema(self.verify_s[drafted + 1], verify_s);
-    }
-}
-
 /// Generate with drafting. `on_tokens` sees each round's accepted tokens at once.
 pub fn generate_speculative<D: Drafter + ?Sized>(
     target: &TargetModel,
     drafter: &D,
     prompt: &[u32],
     opts: &GenerateOptions,
-    draft_len: DraftLength,
+    policy: &mut DraftPolicy,
     trace: bool,
     mut on_tokens: impl FnMut(&[u32]),
 ) -> Result<(Generation, SpecStats)> {
-    generate_speculative_until(target, drafter, prompt, opts, draft_len, trace, |ts| {
+    generate_speculative_until(target, drafter, prompt, opts, policy, trace, |ts| {
         on_tokens(ts);
         Flow::Continue
     })
@@ -203,16 +89,13 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
     drafter: &D,
     prompt: &[u32],
     opts: &GenerateOptions,
-    draft_len: DraftLength,
+    policy: &mut DraftPolicy,
     trace: bool,
     mut on_tokens: impl FnMut(&[u32]) -> Flow,
 ) -> Result<(Generation, SpecStats)> {
     validate_prompt(target, prompt, opts.context_limit)?;
     opts.sampling.validate()?;
-    let k_cap = match draft_len {
-        DraftLength::Fixed(k) => k.min(MAX_DRAFT).min(MAX_ROLLBACK - 1),
-        DraftLength::Auto => MAX_DRAFT.min(8),
-    };
+    let k_cap = policy.max_draft().min(MAX_ROLLBACK - 1);
     let eos = &target.cfg.eos_token_ids;
     let mut sampler = Sampler::new(opts.sampling.clone());
     let greedy = opts.sampling.is_greedy();
@@ -240,7 +123,6 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
         push_logprob(&mut gen, first.logits_row(0), token, n);
     }
     let mut h = first.hidden_row(0).to_vec();
-    let mut adaptive = Adaptive::new();
 
     loop {
         // Commit this round's tokens, honouring EOS and the budgets exactly.
@@ -274,10 +156,7 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
         let n_committed = history.len();
         let remaining = opts.max_new_tokens - gen.tokens.len();
         let k_max = k_cap.min(remaining - 1).min(opts.context_limit - n_committed - 1);
-        let k = match draft_len {
-            DraftLength::Fixed(_) => k_max,
-            DraftLength::Auto => adaptive.choose(k_max),
-        };
+        let k = policy.choose(k_max);
         let p = n_committed - 1; // the last committed token's position; the cache holds 0..p-1
         let last = *history.last().expect("non-empty");
         let td = Instant::now();
@@ -349,7 +228,7 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
         cache.rollback(k - accepted)?;
         h = out.hidden_row(accepted).to_vec();
         let verify_s = tv.elapsed().as_secs_f64();
-        adaptive.record(k, accepted, draft_s, verify_s);
+        policy.record(k, accepted, draft_s, verify_s);
 
         if k > 0 {
             spec.draft_seconds += draft_s;
@@ -407,50 +286,5 @@ fn sample_draft(sampler: &mut Sampler, logits: &DraftLogits, history: &[u32]) ->
             let support = ids.iter().zip(&q).filter(|(_, &p)| p > 0.0).map(|(&t, &p)| (t, p)).collect();
             Draft { token: ids[pick], q: support }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Feed the policy synthetic rounds: `accept(i)` says whether the draft at position i is right,
-    /// `verify(rows)` and `draft` are the costs in seconds. Returns the k chosen in each round.
-    fn simulate(rounds: usize, accept: impl Fn(usize) -> bool, verify: impl Fn(usize) -> f64, draft: f64) -> Vec<usize> {
-        let mut a = Adaptive::new();
-        (0..rounds)
-            .map(|_| {
-                let k = a.choose(8);
-                let accepted = (0..k).take_while(|&i| accept(i)).count();
-                a.record(k, accepted, draft * k as f64, verify(k + 1));
-                k
-            })
-            .collect()
-    }
-
-    #[test]
-    fn useless_drafts_stop_even_when_verifying_more_rows_looks_free() {
-        let ks = simulate(300, |_| false, |_| 0.010, 0.0);
-        let drafting = ks[20..].iter().filter(|&&k| k > 0).count();
-        assert!(drafting <= 10, "still drafting in {drafting} of 280 rounds: {ks:?}");
-    }
-
-    #[test]
-    fn good_drafts_grow_until_verification_cost_stops_them() {
-        // Memory-bound target: verifying 5 rows costs 1.2x one row; drafts 3% of a step; always right.
-        let ks = simulate(200, |_| true, |r| 0.010 * (1.0 + 0.05 * (r - 1) as f64), 0.0003);
-        assert!(ks[50..].iter().all(|&k| k >= 6 || k == 0), "{ks:?}");
-        // Compute-bound target: each extra row costs as much as the first; drafting cannot pay.
-        let ks = simulate(200, |_| true, |r| 0.010 * r as f64, 0.0003);
-        assert!(ks[50..].iter().filter(|&&k| k > 1).count() <= 10, "{ks:?}");
-    }
-
-    #[test]
-    fn acceptance_that_fades_with_position_picks_a_middle_length() {
-        // Position i is accepted for the first 3 positions only.
-        let ks = simulate(300, |i| i < 3, |r| 0.010 * (1.0 + 0.05 * (r - 1) as f64), 0.0003);
-        let tail = &ks[100..];
-        let typical = tail.iter().filter(|&&k| k == 3 || k == 4).count();
-        assert!(typical * 10 >= tail.len() * 8, "{ks:?}");
     }
 }

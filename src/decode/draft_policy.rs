@@ -1,0 +1,293 @@
+//! How many tokens to draft each round: a fixed k, or `auto`, which picks k from measured acceptance and
+//! measured costs so that expected tokens per second is highest, and stops drafting when it does not pay.
+//!
+//! A policy outlives one request (a chat session or a benchmark keeps one for all its turns), so the costs
+//! it has measured and what it has learned of the drafter carry over instead of being re-learned per prompt.
+
+use anyhow::Result;
+
+/// The most draft tokens per round (the verify forward then has up to this + 1 rows).
+pub const MAX_DRAFT: usize = 16;
+
+/// The most draft tokens per round `auto` considers: past 6-8 rows the verify forward stops being
+/// nearly free on CPU, and acceptance that deep is rare.
+const AUTO_MAX_DRAFT: usize = 8;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftLength {
+    Fixed(usize),
+    /// Chosen each round from measured acceptance and costs; 0 (plain decoding) when drafting does not pay.
+    Auto,
+}
+
+impl DraftLength {
+    /// `auto` or a number of draft tokens from 1 to `MAX_DRAFT`.
+    pub fn parse(s: &str) -> Result<DraftLength> {
+        match s {
+            "auto" => Ok(DraftLength::Auto),
+            k => match k.parse::<usize>() {
+                Ok(k) if (1..=MAX_DRAFT).contains(&k) => Ok(DraftLength::Fixed(k)),
+                _ => anyhow::bail!("--draft-tokens must be a number from 1 to {MAX_DRAFT} or `auto`, got {k:?}"),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for DraftLength {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DraftLength::Fixed(k) => write!(f, "{k}"),
+            DraftLength::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+/// A draft length with the state `auto` learns as it goes.
+#[derive(Clone, Debug)]
+pub enum DraftPolicy {
+    Fixed(usize),
+    Auto(AutoDraft),
+}
+
+impl From<DraftLength> for DraftPolicy {
+    fn from(d: DraftLength) -> DraftPolicy {
+        match d {
+            DraftLength::Fixed(k) => DraftPolicy::Fixed(k.min(MAX_DRAFT)),
+            DraftLength::Auto => DraftPolicy::Auto(AutoDraft::new()),
+        }
+    }
+}
+
+impl DraftPolicy {
+    /// The most draft tokens this policy ever asks for.
+    pub fn max_draft(&self) -> usize {
+        match self {
+            DraftPolicy::Fixed(k) => *k,
+            DraftPolicy::Auto(_) => AUTO_MAX_DRAFT,
+        }
+    }
+
+    /// Draft tokens for the next round; `k_max` is what the budget and the context still allow.
+    pub fn choose(&mut self, k_max: usize) -> usize {
+        match self {
+            DraftPolicy::Fixed(k) => (*k).min(k_max),
+            DraftPolicy::Auto(a) => a.choose(k_max.min(AUTO_MAX_DRAFT)),
+        }
+    }
+
+    /// What a round cost and how many of its `drafted` tokens were accepted.
+    pub fn record(&mut self, drafted: usize, accepted: usize, draft_s: f64, verify_s: f64) {
+        if let DraftPolicy::Auto(a) = self {
+            a.record(drafted, accepted, draft_s, verify_s);
+        }
+    }
+}
+
+/// Pseudo-count that pulls a position's acceptance estimate towards the position before it (and the
+/// first position towards one half): positions behave alike, and one unlucky try must not rule one out.
+const PRIOR_WEIGHT: f64 = 2.0;
+/// Each new observation of a position discounts the older ones, so the estimates follow the text.
+const DECAY: f64 = 0.97;
+/// Rounds between probes of a draft length one longer than the best (and, one probe in four, of a
+/// plain step, to refresh its cost).
+const PROBE_EVERY: usize = 16;
+/// Rounds between single-draft probes while not drafting.
+const PROBE_IDLE_EVERY: usize = 32;
+
+/// Running estimates behind `--draft-tokens auto`.
+#[derive(Clone, Debug)]
+pub struct AutoDraft {
+    /// Per draft position: decayed (accepted, reached) counts, where a position is reached when every
+    /// draft before it was accepted; so each ratio is an acceptance rate *given* the position is reached.
+    accept: [(f64, f64); AUTO_MAX_DRAFT],
+    draft_step_s: Option<f64>,
+    /// Verify time by row count (exponential moving averages).
+    verify_s: [Option<f64>; AUTO_MAX_DRAFT + 2],
+    rounds_since_probe: usize,
+    probes: usize,
+}
+
+impl Default for AutoDraft {
+    fn default() -> Self {
+        AutoDraft::new()
+    }
+}
+
+impl AutoDraft {
+    pub fn new() -> AutoDraft {
+        AutoDraft {
+            accept: [(0.0, 0.0); AUTO_MAX_DRAFT],
+            draft_step_s: None,
+            verify_s: [None; AUTO_MAX_DRAFT + 2],
+            rounds_since_probe: 0,
+            probes: 0,
+        }
+    }
+
+    fn ema(old: Option<f64>, new: f64) -> Option<f64> {
+        Some(old.map_or(new, |o| 0.8 * o + 0.2 * new))
+    }
+
+    /// Estimated acceptance rate of each position given that it is reached.
+    fn rates(&self) -> [f64; AUTO_MAX_DRAFT] {
+        let mut out = [0.0; AUTO_MAX_DRAFT];
+        let mut prev = 0.5;
+        for (r, &(a, n)) in out.iter_mut().zip(&self.accept) {
+            *r = (a + PRIOR_WEIGHT * prev) / (n + PRIOR_WEIGHT);
+            prev = *r;
+        }
+        out
+    }
+
+    fn verify_cost(&self, rows: usize) -> Option<f64> {
+        // Unmeasured row counts: interpolate from the nearest measured ones, else assume flat-ish cost.
+        if let Some(t) = self.verify_s[rows] {
+            return Some(t);
+        }
+        let one = self.verify_s[1]?;
+        let known = (2..self.verify_s.len()).rev().find_map(|r| self.verify_s[r].map(|t| (r, t)));
+        Some(match known {
+            Some((r, t)) => one + (t - one) * (rows - 1) as f64 / (r - 1) as f64,
+            None => one * (1.0 + 0.05 * (rows - 1) as f64),
+        })
+    }
+
+    /// The k in 0..=k_max with the best expected tokens per second. Drafting at all must beat plain steps
+    /// by a clear margin, so timing noise alone never keeps a useless drafter running.
+    fn choose(&mut self, k_max: usize) -> usize {
+        // First measure a plain step, then a short drafting round.
+        if self.verify_s[1].is_none() {
+            return 0;
+        }
+        let Some(step) = self.draft_step_s else {
+            return k_max.min(2);
+        };
+        let rates = self.rates();
+        let mut best = (0usize, 0f64);
+        let mut reach = 1.0; // probability that the first j drafts are all accepted
+        let mut expected = 1.0; // expected tokens per round
+        for k in 0..=k_max {
+            if k > 0 {
+                reach *= rates[k - 1];
+                expected += reach;
+            }
+            let cost = k as f64 * step + self.verify_cost(k + 1).unwrap_or(f64::INFINITY);
+            let rate = expected / cost;
+            let margin = if k > 0 && best.0 == 0 { 1.05 } else { 1.0 };
+            // Drafts expected to add under a tenth of a token per round are not worth the risk that a
+            // noisy timing makes them look free.
+            if rate > best.1 * margin && (k == 0 || expected - 1.0 >= 0.1) {
+                best = (k, rate);
+            }
+        }
+        // Now and then try something else, so that stale or unlucky estimates get refreshed: a single
+        // draft when not drafting; when drafting, one more draft than the best (to learn the next
+        // position's acceptance and the cost of one more row) or, one time in four, a plain step.
+        self.rounds_since_probe += 1;
+        let every = if best.0 == 0 { PROBE_IDLE_EVERY } else { PROBE_EVERY };
+        if self.rounds_since_probe >= every && k_max > 0 {
+            self.rounds_since_probe = 0;
+            self.probes += 1;
+            return match best.0 {
+                0 => 1,
+                _ if self.probes % 4 == 0 || best.0 == k_max => 0,
+                k => k + 1,
+            };
+        }
+        best.0
+    }
+
+    fn record(&mut self, drafted: usize, accepted: usize, draft_s: f64, verify_s: f64) {
+        for (i, slot) in self.accept.iter_mut().enumerate().take(drafted.min(accepted + 1)) {
+            let hit = if i < accepted { 1.0 } else { 0.0 };
+            *slot = (DECAY * slot.0 + hit, DECAY * slot.1 + 1.0);
+        }
+        if drafted > 0 {
+            self.draft_step_s = Self::ema(self.draft_step_s, draft_s / drafted as f64);
+        }
+        if let Some(v) = self.verify_s.get_mut(drafted + 1) {
+            *v = Self::ema(*v, verify_s);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feed the policy synthetic rounds: `accept(i)` says whether the draft at position i is right,
+    /// `verify(rows)` and `draft` are the costs in seconds. Returns the k chosen in each round.
+    fn simulate(rounds: usize, accept: impl Fn(usize) -> bool, verify: impl Fn(usize) -> f64, draft: f64) -> Vec<usize> {
+        let mut a = DraftPolicy::from(DraftLength::Auto);
+        (0..rounds)
+            .map(|_| {
+                let k = a.choose(8);
+                let accepted = (0..k).take_while(|&i| accept(i)).count();
+                a.record(k, accepted, draft * k as f64, verify(k + 1));
+                k
+            })
+            .collect()
+    }
+
+    #[test]
+    fn useless_drafts_stop_even_when_verifying_more_rows_looks_free() {
+        let ks = simulate(300, |_| false, |_| 0.010, 0.0);
+        let drafting = ks[20..].iter().filter(|&&k| k > 0).count();
+        assert!(drafting <= 10, "still drafting in {drafting} of 280 rounds: {ks:?}");
+    }
+
+    #[test]
+    fn good_drafts_grow_until_verification_cost_stops_them() {
+        // Memory-bound target: verifying 5 rows costs 1.2x one row; drafts 3% of a step; always right.
+        let ks = simulate(200, |_| true, |r| 0.010 * (1.0 + 0.05 * (r - 1) as f64), 0.0003);
+        assert!(ks[50..].iter().all(|&k| k >= 6 || k == 0), "{ks:?}");
+        // Compute-bound target: each extra row costs as much as the first; drafting cannot pay.
+        let ks = simulate(200, |_| true, |r| 0.010 * r as f64, 0.0003);
+        assert!(ks[50..].iter().filter(|&&k| k > 1).count() <= 10, "{ks:?}");
+    }
+
+    #[test]
+    fn acceptance_that_fades_with_position_picks_a_middle_length() {
+        // Position i is accepted for the first 3 positions only.
+        let ks = simulate(300, |i| i < 3, |r| 0.010 * (1.0 + 0.05 * (r - 1) as f64), 0.0003);
+        let tail = &ks[100..];
+        let typical = tail.iter().filter(|&&k| k == 3 || k == 4).count();
+        assert!(typical * 10 >= tail.len() * 8, "{ks:?}");
+    }
+
+    #[test]
+    fn an_unlucky_miss_does_not_rule_a_position_out() {
+        // Every position is accepted 85% of the time, independently (a fixed pseudo-random pattern);
+        // verifying is nearly free. The policy must settle on long drafts even though, early on, some
+        // position sees a miss on its first try.
+        let mut state = 12345u64;
+        let mut coin = move || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 33) as f64) < 0.85 * (1u64 << 31) as f64
+        };
+        let mut a = DraftPolicy::from(DraftLength::Auto);
+        let ks: Vec<usize> = (0..400)
+            .map(|_| {
+                let k = a.choose(8);
+                let accepted = (0..k).take_while(|_| coin()).count();
+                a.record(k, accepted, 0.0003 * k as f64, 0.010 * (1.0 + 0.04 * k as f64));
+                k
+            })
+            .collect();
+        let tail = &ks[200..];
+        let mean = tail.iter().sum::<usize>() as f64 / tail.len() as f64;
+        assert!(mean >= 4.0, "mean k {mean}: {ks:?}");
+    }
+
+    #[test]
+    fn a_policy_keeps_what_it_learned_across_requests() {
+        let mut p = DraftPolicy::from(DraftLength::Auto);
+        for _ in 0..100 {
+            let k = p.choose(8);
+            p.record(k, k, 0.0003 * k as f64, 0.010 * (1.0 + 0.04 * k as f64));
+        }
+        // A new request starts with the learned policy: no warm-up plain step.
+        assert!(p.choose(8) >= 6);
+        assert_eq!(DraftPolicy::from(DraftLength::Fixed(5)).choose(3), 3);
+    }
+}
