@@ -280,7 +280,7 @@ pub fn run(opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
     let mut cache = model.new_cache();
     log(&format!("prefill of {} tokens...", prompt.len()));
     let t = Instant::now();
-    crate::decode::generate::prefill(&model, &mut cache, &prompt)?;
+    crate::decode::generate::prefill(&model, &mut cache, &prompt, &mut Default::default())?;
     let prefill_s = t.elapsed().as_secs_f64();
 
     log(&format!("{} decode steps...", opts.decode_steps));

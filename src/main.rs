@@ -14,12 +14,12 @@ use serde_json::json;
 
 use tandem::bench::{self, BenchOptions, Preset};
 use tandem::config::validate_pair;
+use tandem::decode::draft_policy::{DraftLength, DraftPolicy, MAX_DRAFT};
 use tandem::decode::generate::{generate_until, FinishReason, Flow, GenerateOptions, Generation};
 use tandem::decode::sampling::SamplingParams;
-use tandem::decode::draft_policy::{DraftLength, DraftPolicy, MAX_DRAFT};
 use tandem::decode::speculative::{generate_speculative_until, SpecStats};
 use tandem::model::assistant::Assistant;
-use tandem::model::TargetModel;
+use tandem::model::{KvCache, TargetModel};
 use tandem::text::stream::terminal_safe;
 use tandem::text::{has_tokenizer, ChatTemplate, RenderOptions, TextStream, TextTokenizer, TOKENIZER_FILE};
 
@@ -230,6 +230,8 @@ struct Session {
     assistant: Option<Assistant>,
     /// Kept for the whole session, so `auto` carries what it learned from one turn to the next.
     draft: Option<RefCell<DraftPolicy>>,
+    /// The K/V of the last run: the next prompt reuses the part it starts with (a chat's earlier turns).
+    cache: RefCell<KvCache>,
     opts: GenerateOptions,
     tokenizer: Option<TextTokenizer>,
 }
@@ -337,7 +339,8 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
         }),
     };
     let draft = draft_len.map(|d| RefCell::new(DraftPolicy::from(d)));
-    Ok(Session { model, assistant, draft, opts, tokenizer })
+    let cache = RefCell::new(model.new_cache());
+    Ok(Session { model, assistant, draft, cache, opts, tokenizer })
 }
 
 fn load_tokenizer(dir: &Path, vocab_size: usize) -> Result<TextTokenizer> {
@@ -390,14 +393,18 @@ impl Session {
     }
 
     fn generate(&self, prompt: &[u32], trace: bool, mut on_tokens: impl FnMut(&[u32]) -> Flow) -> Result<(Generation, Option<SpecStats>)> {
-        match (&self.assistant, &self.draft) {
+        let cache = &mut *self.cache.borrow_mut();
+        let result = match (&self.assistant, &self.draft) {
             (Some(a), Some(policy)) => {
                 let policy = &mut *policy.borrow_mut();
-                let (g, s) = generate_speculative_until(&self.model, a, prompt, &self.opts, policy, trace, on_tokens)?;
-                Ok((g, Some(s)))
+                generate_speculative_until(&self.model, a, cache, prompt, &self.opts, policy, trace, on_tokens).map(|(g, s)| (g, Some(s)))
             }
-            _ => Ok((generate_until(&self.model, prompt, &self.opts, |t| on_tokens(&[t]))?, None)),
+            _ => generate_until(&self.model, cache, prompt, &self.opts, |t| on_tokens(&[t])).map(|g| (g, None)),
+        };
+        if result.is_err() {
+            cache.clear();
         }
+        result
     }
 }
 
@@ -732,10 +739,16 @@ fn run_chat(args: ChatArgs) -> Result<()> {
 /// The speed/acceptance line after each chat reply.
 fn reply_summary(g: &Generation, spec: Option<&SpecStats>, reason: &str) -> String {
     let st = &g.stats;
-    let mut line = format!(
-        "[{} tokens, {:.1} tok/s; prompt {} tokens at {:.0} tok/s",
-        st.generated_tokens, st.decode_tokens_per_s, st.prompt_tokens, st.prefill_tokens_per_s
-    );
+    let prompt = match st.cached_prompt_tokens {
+        0 => format!("{} tokens at {:.0} tok/s", st.prompt_tokens, st.prefill_tokens_per_s),
+        n => format!(
+            "{} tokens ({n} reused from earlier turns, {} at {:.0} tok/s)",
+            st.prompt_tokens,
+            st.prompt_tokens - n,
+            st.prefill_tokens_per_s
+        ),
+    };
+    let mut line = format!("[{} tokens, {:.1} tok/s; prompt {prompt}", st.generated_tokens, st.decode_tokens_per_s);
     if let Some(sp) = spec {
         line += &format!(
             "; drafts accepted {}/{} ({:.0}%), {:.2} per round",

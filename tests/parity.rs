@@ -161,6 +161,44 @@ fn long_decode_past_many_windows_with_rollbacks_stays_consistent() {
 }
 
 #[test]
+fn a_prompt_reuses_the_prefix_it_shares_with_the_cache() {
+    // The window is 8; sliding layers hold at least 8 + 1 + 64 newest positions.
+    let model = TargetModel::load(&fixture_dir("t1-f32")).unwrap();
+    let seq: Vec<u32> = (0..200u32).map(|i| 3 + (i * 37) % 250).collect();
+    let mut full = model.new_cache();
+    let reference = model.forward(&mut full, &seq, Keep::All).unwrap();
+    assert_eq!(full.tokens(), &seq[..]);
+
+    // A prompt that diverges near the end: everything before the divergence is kept.
+    let mut c = model.new_cache();
+    model.forward(&mut c, &seq[..150], Keep::Last).unwrap();
+    let mut prompt = seq[..140].to_vec();
+    prompt.extend([9, 9, 9]);
+    assert_eq!(c.reuse_prefix(&prompt), 140);
+    assert_eq!(c.tokens(), &seq[..140]);
+    let out = model.forward(&mut c, &seq[140..160], Keep::All).unwrap();
+    for i in 0..20 {
+        let m = max_diff(out.logits_row(i), reference.logits_row(140 + i));
+        assert!(m < 1e-4, "position {}: {m}", 140 + i);
+    }
+
+    // The whole prompt cached: its last token still runs (its logits are needed).
+    assert_eq!(c.reuse_prefix(&seq[..160]), 159);
+    // A prompt that ends further back than the sliding layers still hold: start over.
+    assert_eq!(c.reuse_prefix(&seq[..30]), 0);
+    assert!(c.is_empty());
+    let out = model.forward(&mut c, &seq[..20], Keep::All).unwrap();
+    assert!(max_diff(out.logits_row(19), reference.logits_row(19)) < 1e-4);
+    // Rollbacks beyond what sliding layers hold are refused without changing the cache.
+    let mut c = model.new_cache();
+    model.forward(&mut c, &seq, Keep::Last).unwrap();
+    assert!(c.rollback(150).is_err());
+    assert_eq!(c.len(), 200);
+    c.rollback(64).unwrap();
+    assert_eq!(c.tokens(), &seq[..136]);
+}
+
+#[test]
 fn greedy_generation_matches_transformers() {
     for name in FIXTURES {
         let (model, g) = load(name);

@@ -7,10 +7,10 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 use common::*;
-use tandem::decode::generate::{generate, GenerateOptions};
+use tandem::decode::generate::{generate, generate_until, Flow, GenerateOptions};
 use tandem::decode::sampling::{Rng, Sampler, SamplingParams};
-use tandem::decode::draft_policy::DraftLength;
-use tandem::decode::speculative::{generate_speculative, Drafter};
+use tandem::decode::draft_policy::{DraftLength, DraftPolicy};
+use tandem::decode::speculative::{generate_speculative, generate_speculative_until, Drafter};
 use tandem::model::assistant::{Assistant, DraftLogits, DraftStep};
 use tandem::model::{Keep, KvCache, TargetModel};
 
@@ -245,4 +245,39 @@ fn auto_draft_length_stops_drafting_when_nothing_is_accepted() {
     let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Auto.into(), false, |_| {}).unwrap();
     assert_eq!(g.tokens, plain);
     assert_eq!(stats.accepted_tokens, stats.drafted_tokens);
+}
+
+#[test]
+fn a_conversation_in_one_cache_generates_what_fresh_runs_generate() {
+    // Turn after turn, each prompt extends the last prompt and reply (as a chat does) or starts over;
+    // the shared cache reuses what it can, and the output must equal a run from an empty cache.
+    let target = TargetModel::load(&fixture_dir("t1-f32")).unwrap();
+    let a = Assistant::load(&fixture_dir("d1-centroid")).unwrap();
+    let sampled = SamplingParams { temperature: 0.8, top_k: 20, seed: 5, ..SamplingParams::default() };
+    for params in [SamplingParams::default(), sampled] {
+        let o = opts(24, params);
+        let (mut plain_cache, mut spec_cache) = (target.new_cache(), target.new_cache());
+        let mut policy = DraftPolicy::from(DraftLength::Fixed(3));
+        let mut rng = Rng::new(21);
+        let mut prompt = random_prompt(&mut rng, 256);
+        for turn in 0..5 {
+            let fresh = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
+            let plain = generate_until(&target, &mut plain_cache, &prompt, &o, |_| Flow::Continue).unwrap();
+            assert_eq!(plain.tokens, fresh, "turn {turn}: plain");
+            let (spec, _) =
+                generate_speculative_until(&target, &a, &mut spec_cache, &prompt, &o, &mut policy, false, |_| Flow::Continue)
+                    .unwrap();
+            let fresh_spec = generate_speculative(&target, &a, &prompt, &o, &mut DraftLength::Fixed(3).into(), false, |_| {});
+            assert_eq!(spec.tokens, fresh_spec.unwrap().0.tokens, "turn {turn}: speculative");
+            if turn > 0 && turn != 3 {
+                assert!(plain.stats.cached_prompt_tokens > 0 && spec.stats.cached_prompt_tokens > 0, "turn {turn}: nothing reused");
+            }
+            if turn == 2 {
+                prompt = random_prompt(&mut rng, 256); // a new conversation
+            } else {
+                prompt.extend(&plain.tokens[..plain.tokens.len() - 3]); // the reply, re-tokenized a little differently
+                prompt.extend(random_prompt(&mut rng, 256));
+            }
+        }
+    }
 }

@@ -46,14 +46,14 @@ impl std::fmt::Display for DraftLength {
 #[derive(Clone, Debug)]
 pub enum DraftPolicy {
     Fixed(usize),
-    Auto(AutoDraft),
+    Auto(Box<AutoDraft>),
 }
 
 impl From<DraftLength> for DraftPolicy {
     fn from(d: DraftLength) -> DraftPolicy {
         match d {
             DraftLength::Fixed(k) => DraftPolicy::Fixed(k.min(MAX_DRAFT)),
-            DraftLength::Auto => DraftPolicy::Auto(AutoDraft::new()),
+            DraftLength::Auto => DraftPolicy::Auto(Box::default()),
         }
     }
 }
@@ -190,7 +190,7 @@ impl AutoDraft {
             self.probes += 1;
             return match best.0 {
                 0 => 1,
-                _ if self.probes % 4 == 0 || best.0 == k_max => 0,
+                _ if self.probes.is_multiple_of(4) || best.0 == k_max => 0,
                 k => k + 1,
             };
         }

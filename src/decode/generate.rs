@@ -45,6 +45,13 @@ pub struct Stats {
     pub generated_tokens: usize,
     pub prefill_tokens_per_s: f64,
     pub decode_tokens_per_s: f64,
+    /// Prompt tokens whose K/V an earlier run left in the cache (not run again; not in the prefill speed).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub cached_prompt_tokens: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 #[derive(Clone, Debug)]
@@ -87,12 +94,17 @@ pub fn validate_prompt(model: &TargetModel, prompt: &[u32], context_limit: usize
     Ok(())
 }
 
-/// Run the prompt through the model in chunks; returns the last row's logits and hidden state.
-pub fn prefill(model: &TargetModel, cache: &mut KvCache, prompt: &[u32]) -> Result<crate::model::Forward> {
+/// Run the prompt through the model in chunks, reusing whatever prefix of it `cache` already holds;
+/// returns the last row's logits and hidden state. Records the prefill speed and the reused tokens.
+pub fn prefill(model: &TargetModel, cache: &mut KvCache, prompt: &[u32], stats: &mut Stats) -> Result<crate::model::Forward> {
+    let t0 = Instant::now();
+    let cached = cache.reuse_prefix(prompt);
     let mut last = None;
-    for chunk in prompt.chunks(PREFILL_CHUNK) {
+    for chunk in prompt[cached..].chunks(PREFILL_CHUNK) {
         last = Some(model.forward(cache, chunk, Keep::Last)?);
     }
+    stats.cached_prompt_tokens = cached;
+    stats.prefill_tokens_per_s = (prompt.len() - cached) as f64 / t0.elapsed().as_secs_f64().max(1e-9);
     last.ok_or_else(|| anyhow::anyhow!("the prompt is empty"))
 }
 
@@ -112,15 +124,17 @@ pub fn generate(
     opts: &GenerateOptions,
     mut on_token: impl FnMut(u32),
 ) -> Result<Generation> {
-    generate_until(model, prompt, opts, |t| {
+    generate_until(model, &mut model.new_cache(), prompt, opts, |t| {
         on_token(t);
         Flow::Continue
     })
 }
 
-/// [`generate`], where `on_token` may also end generation.
+/// [`generate`], where `on_token` may also end generation, in a cache that may hold an earlier run (its
+/// positions that the prompt starts with are reused) and holds this run afterwards.
 pub fn generate_until(
     model: &TargetModel,
+    cache: &mut KvCache,
     prompt: &[u32],
     opts: &GenerateOptions,
     mut on_token: impl FnMut(u32) -> Flow,
@@ -128,17 +142,13 @@ pub fn generate_until(
     validate_prompt(model, prompt, opts.context_limit)?;
     opts.sampling.validate()?;
     let mut sampler = Sampler::new(opts.sampling.clone());
-    let mut cache = model.new_cache();
     let mut history = prompt.to_vec();
     let mut out = Generation::new(prompt.len());
     if opts.max_new_tokens == 0 {
         return Ok(out);
     }
 
-    let t0 = Instant::now();
-    let mut fwd = prefill(model, &mut cache, prompt)?;
-    let prefill_s = t0.elapsed().as_secs_f64();
-    out.stats.prefill_tokens_per_s = prompt.len() as f64 / prefill_s.max(1e-9);
+    let mut fwd = prefill(model, cache, prompt, &mut out.stats)?;
 
     let t1 = Instant::now();
     loop {
@@ -169,7 +179,7 @@ pub fn generate_until(
             out.context_limited = true;
             break;
         }
-        fwd = model.forward(&mut cache, &[token], Keep::Last)?;
+        fwd = model.forward(cache, &[token], Keep::Last)?;
     }
     let decode_s = t1.elapsed().as_secs_f64();
     out.stats.generated_tokens = out.tokens.len();

@@ -77,16 +77,19 @@ pub fn generate_speculative<D: Drafter + ?Sized>(
     trace: bool,
     mut on_tokens: impl FnMut(&[u32]),
 ) -> Result<(Generation, SpecStats)> {
-    generate_speculative_until(target, drafter, prompt, opts, policy, trace, |ts| {
+    generate_speculative_until(target, drafter, &mut target.new_cache(), prompt, opts, policy, trace, |ts| {
         on_tokens(ts);
         Flow::Continue
     })
 }
 
-/// [`generate_speculative`], where `on_tokens` may also end generation (keeping part of the run).
+/// [`generate_speculative`], where `on_tokens` may also end generation (keeping part of the run), in a
+/// cache that may hold an earlier run (see [`crate::decode::generate::generate_until`]).
+#[allow(clippy::too_many_arguments)]
 pub fn generate_speculative_until<D: Drafter + ?Sized>(
     target: &TargetModel,
     drafter: &D,
+    cache: &mut KvCache,
     prompt: &[u32],
     opts: &GenerateOptions,
     policy: &mut DraftPolicy,
@@ -99,7 +102,6 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
     let eos = &target.cfg.eos_token_ids;
     let mut sampler = Sampler::new(opts.sampling.clone());
     let greedy = opts.sampling.is_greedy();
-    let mut cache = target.new_cache();
     let mut history = prompt.to_vec();
     let mut gen = Generation::new(prompt.len());
     let mut spec = SpecStats {
@@ -111,9 +113,7 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
         return Ok((gen, spec));
     }
 
-    let t0 = Instant::now();
-    let first = prefill(target, &mut cache, prompt)?;
-    gen.stats.prefill_tokens_per_s = prompt.len() as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+    let first = prefill(target, cache, prompt, &mut gen.stats)?;
     let t1 = Instant::now();
 
     // Iteration 0: the prefill's last row gives the first token.
@@ -165,7 +165,7 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
             let mut tok = last;
             let mut hp = h.clone();
             for _ in 0..k {
-                let step = drafter.draft_step(target, &cache, tok, &hp, p);
+                let step = drafter.draft_step(target, cache, tok, &hp, p);
                 let d = if greedy {
                     Draft { token: step.logits.argmax(), q: Vec::new() }
                 } else {
@@ -185,7 +185,7 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
         let tv = Instant::now();
         let mut rows = vec![last];
         rows.extend(drafts.iter().map(|d| d.token));
-        let out = target.forward(&mut cache, &rows, Keep::All)?;
+        let out = target.forward(cache, &rows, Keep::All)?;
         let mut accepted = 0;
         let mut bonus = None;
         for (i, d) in drafts.iter().enumerate() {

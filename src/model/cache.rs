@@ -121,9 +121,10 @@ impl LayerKv {
 
 pub struct KvCache {
     layers: Vec<Option<LayerKv>>,
-    len: usize,
-    /// Sliding layers keep at least this many newest entries: the window, the drafter's W+1 keys, and rollback.
-    sliding_keep: usize,
+    /// The token ids of the positions processed, so a later prompt that starts the same way can reuse them.
+    tokens: Vec<u32>,
+    /// Entries a sliding layer needs before the next position: the window and the drafter's W+1 keys.
+    sliding_need: usize,
 }
 
 impl KvCache {
@@ -143,16 +144,21 @@ impl KvCache {
                 })
             })
             .collect();
-        KvCache { layers, len: 0, sliding_keep: cfg.sliding_window + 1 + MAX_ROLLBACK }
+        KvCache { layers, tokens: Vec::new(), sliding_need: cfg.sliding_window + 1 }
     }
 
     /// Number of positions processed (the next token's position).
     pub fn len(&self) -> usize {
-        self.len
+        self.tokens.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.tokens.is_empty()
+    }
+
+    /// The token ids of positions `0..len()`.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
     }
 
     pub fn clear(&mut self) {
@@ -161,7 +167,19 @@ impl KvCache {
             l.k.truncate(0);
             l.v.truncate(0);
         }
-        self.len = 0;
+        self.tokens.clear();
+    }
+
+    /// Keep the longest prefix of what the cache holds that `prompt` starts with, but never the whole
+    /// prompt (its last token must run to give logits), and drop the rest; returns the positions kept.
+    /// When the sliding layers no longer hold the history that position would need, start over.
+    pub fn reuse_prefix(&mut self, prompt: &[u32]) -> usize {
+        let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let keep = common.min(prompt.len().saturating_sub(1));
+        if self.truncate(keep).is_err() {
+            self.clear();
+        }
+        self.len()
     }
 
     pub fn layer(&self, i: usize) -> &LayerKv {
@@ -171,16 +189,16 @@ impl KvCache {
     /// Append `k`, `v` (`[rows, kv_heads, head_dim]`) for the positions `len..len+rows` of layer `i`.
     pub(crate) fn append(&mut self, i: usize, k: &[f32], v: &[f32]) {
         let l = self.layers[i].as_mut().expect("append to a layer with a cache");
-        debug_assert_eq!(l.end(), self.len, "layer {i} out of step with the cache");
+        debug_assert_eq!(l.end(), self.tokens.len(), "layer {i} out of step with the cache");
         l.k.extend(k);
         l.v.extend(v);
     }
 
-    /// Mark `rows` new positions as processed, and trim sliding layers (amortised: only when they have
-    /// grown to twice what they must keep).
-    pub(crate) fn advance(&mut self, rows: usize) {
-        self.len += rows;
-        let keep = self.sliding_keep;
+    /// Mark the positions of `tokens` as processed, and trim sliding layers (amortised: only when they
+    /// have grown to twice what they must keep, which is what they need plus `MAX_ROLLBACK`).
+    pub(crate) fn advance(&mut self, tokens: &[u32]) {
+        self.tokens.extend_from_slice(tokens);
+        let keep = self.sliding_need + MAX_ROLLBACK;
         for l in self.layers.iter_mut().flatten() {
             if l.kind == LayerType::Sliding && l.entries() > 2 * keep {
                 let drop = l.entries() - keep;
@@ -192,21 +210,31 @@ impl KvCache {
         }
     }
 
-    /// Forget the newest `r` positions (rejected draft tokens).
+    /// Forget the newest `r` positions (rejected draft tokens). Up to `MAX_ROLLBACK` always works.
     pub fn rollback(&mut self, r: usize) -> Result<()> {
-        if r > self.len {
-            bail!("cannot roll back {r} positions: the cache holds {}", self.len);
+        if r > self.len() {
+            bail!("cannot roll back {r} positions: the cache holds {}", self.len());
         }
-        if r > MAX_ROLLBACK {
-            bail!("cannot roll back {r} positions at once (at most {MAX_ROLLBACK})");
+        self.truncate(self.len() - r)
+    }
+
+    /// Keep positions `0..n` only. Fails (changing nothing) when a sliding layer has already dropped
+    /// history that position `n` needs.
+    fn truncate(&mut self, n: usize) -> Result<()> {
+        let need_from = n.saturating_sub(self.sliding_need);
+        if let Some(l) = self.layers.iter().flatten().find(|l| l.kind == LayerType::Sliding && l.start > need_from) {
+            bail!(
+                "cannot roll back to position {n}: sliding layers keep positions from {} on (rollbacks of up to {MAX_ROLLBACK} always work)",
+                l.start
+            );
         }
         for l in self.layers.iter_mut().flatten() {
-            let keep = l.entries().saturating_sub(r);
             let row = l.row();
+            let keep = n.saturating_sub(l.start);
             l.k.truncate(keep * row);
             l.v.truncate(keep * row);
         }
-        self.len -= r;
+        self.tokens.truncate(n);
         Ok(())
     }
 

@@ -301,7 +301,7 @@ impl TargetModel {
             h.iter_mut().for_each(|x| *x *= s);
             dt.round_slice(&mut h);
         }
-        cache.advance(n);
+        cache.advance(tokens);
 
         // Final norm and head over the kept rows.
         let rows = n - first_row;
