@@ -5,6 +5,7 @@ mod common;
 
 use common::*;
 use tandem::config::{load_assistant_config, validate_pair, LayerType};
+use tandem::kernels::DType;
 use tandem::model::assistant::Assistant;
 use tandem::model::cache::LayerKv;
 use tandem::model::{Keep, TargetModel};
@@ -16,15 +17,9 @@ fn donor(g: &Golden, key: &str, kind: LayerType, n: usize) -> LayerKv {
     let (shape, k) = g.tensor(&format!("{key}_k"));
     let (_, v) = g.tensor(&format!("{key}_v"));
     let (heads, t, d) = (shape[0], shape[1], shape[2]);
-    let (mut ks, mut vs) = (Vec::new(), Vec::new());
-    for ti in 0..n {
-        for hi in 0..heads {
-            let at = (hi * t + ti) * d;
-            ks.extend_from_slice(&k[at..at + d]);
-            vs.extend_from_slice(&v[at..at + d]);
-        }
-    }
-    LayerKv::from_f32(kind, heads, d, 0, ks, vs)
+    // The golden is [head, t, d]: keep the first n positions of each head.
+    let first = |x: &[f32]| -> Vec<f32> { (0..heads).flat_map(|h| x[h * t * d..(h * t + n) * d].to_vec()).collect() };
+    LayerKv::from_values(kind, heads, d, 0, DType::F32, &first(k), &first(v))
 }
 
 #[test]

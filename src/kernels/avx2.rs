@@ -463,3 +463,68 @@ unsafe fn read_xor_impl(buf: &[u8]) -> u64 {
     _mm256_storeu_si256(lanes.as_mut_ptr() as *mut _, v);
     lanes.iter().fold(0, |s, l| s ^ l)
 }
+
+/// `out[i, :] = Σ_t p[i, t] · v[t, :]` (bf16 or f32 `v`): per output element a chain of FMAs in `t`
+/// order, so any blocking of `i` gives the same bits. Register tiles of up to 4 rows x 16 columns;
+/// columns past the last multiple of 16 go through the same FMA chain one at a time.
+pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, out: &mut [f32]) {
+    assert!(supported() && matches!(v.dtype, DType::BF16 | DType::F32));
+    assert!(p.len() == m * v.rows && out.len() == m * v.cols);
+    let (n, d) = (v.rows, v.cols);
+    let full = d / 16 * 16;
+    let mut i0 = 0;
+    while i0 < m {
+        let mb = (m - i0).min(4);
+        let mut c = 0;
+        while c < full {
+            // SAFETY: features asserted; rows i0..i0+mb of p and out exist, columns c..c+16 are inside v.
+            unsafe {
+                match mb {
+                    1 => weighted_block::<1>(p, i0, c, v, out),
+                    2 => weighted_block::<2>(p, i0, c, v, out),
+                    3 => weighted_block::<3>(p, i0, c, v, out),
+                    _ => weighted_block::<4>(p, i0, c, v, out),
+                }
+            }
+            c += 16;
+        }
+        i0 += mb;
+    }
+    for i in 0..m {
+        for j in full..d {
+            out[i * d + j] = (0..n).fold(0f32, |acc, t| p[i * n + t].mul_add(v.dtype.load(v.data, t * d + j), acc));
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_block<const MB: usize>(p: &[f32], i0: usize, c: usize, v: MatRef, out: &mut [f32]) {
+    let (n, d) = (v.rows, v.cols);
+    let mut acc = [[_mm256_setzero_ps(); 2]; MB];
+    let bf16 = v.dtype == DType::BF16;
+    let base = v.data.as_ptr();
+    let pp = p.as_ptr().add(i0 * n);
+    for t in 0..n {
+        let vk: [__m256; 2] = std::array::from_fn(|k| {
+            let at = t * d + c + 8 * k;
+            if bf16 {
+                let h = _mm_loadu_si128(base.add(2 * at) as *const __m128i);
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            } else {
+                _mm256_loadu_ps(base.add(4 * at) as *const f32)
+            }
+        });
+        for (i, a) in acc.iter_mut().enumerate() {
+            let b = _mm256_set1_ps(*pp.add(i * n + t));
+            for k in 0..2 {
+                a[k] = _mm256_fmadd_ps(b, vk[k], a[k]);
+            }
+        }
+    }
+    let po = out.as_mut_ptr();
+    for (i, a) in acc.iter().enumerate() {
+        for k in 0..2 {
+            _mm256_storeu_ps(po.add((i0 + i) * d + c + 8 * k), a[k]);
+        }
+    }
+}

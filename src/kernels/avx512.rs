@@ -535,3 +535,63 @@ unsafe fn softcap_impl(x: &mut [f32], cap: f32, bf16: bool) {
         i += 16;
     }
 }
+
+/// `out[i, :] = Σ_t p[i, t] · v[t, :]` (bf16 or f32 `v`): per output element a chain of FMAs in `t`
+/// order, so any blocking of `i` gives the same bits. Register tiles of up to 6 rows x 64 columns.
+pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, out: &mut [f32]) {
+    assert!(supported() && matches!(v.dtype, DType::BF16 | DType::F32));
+    assert!(p.len() == m * v.rows && out.len() == m * v.cols);
+    let mut i0 = 0;
+    while i0 < m {
+        let mb = (m - i0).min(6);
+        let mut c = 0;
+        while c < v.cols {
+            // SAFETY: features asserted; rows i0..i0+mb of p and out exist, columns c.. are masked to v.cols.
+            unsafe {
+                match mb {
+                    1 => weighted_block::<1>(p, i0, c, v, out),
+                    2 => weighted_block::<2>(p, i0, c, v, out),
+                    3 => weighted_block::<3>(p, i0, c, v, out),
+                    4 => weighted_block::<4>(p, i0, c, v, out),
+                    5 => weighted_block::<5>(p, i0, c, v, out),
+                    _ => weighted_block::<6>(p, i0, c, v, out),
+                }
+            }
+            c += 64;
+        }
+        i0 += mb;
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn weighted_block<const MB: usize>(p: &[f32], i0: usize, c: usize, v: MatRef, out: &mut [f32]) {
+    let (n, d) = (v.rows, v.cols);
+    let masks: [__mmask16; 4] = std::array::from_fn(|k| tail_mask16(d.saturating_sub(c + 16 * k)));
+    let mut acc = [[_mm512_setzero_ps(); 4]; MB];
+    let bf16 = v.dtype == DType::BF16;
+    let base = v.data.as_ptr();
+    let pp = p.as_ptr().add(i0 * n);
+    for t in 0..n {
+        let vk: [__m512; 4] = std::array::from_fn(|k| {
+            let at = t * d + c + 16 * k;
+            if bf16 {
+                let h = _mm256_maskz_loadu_epi16(masks[k], base.add(2 * at) as *const i16);
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            } else {
+                _mm512_maskz_loadu_ps(masks[k], base.add(4 * at) as *const f32)
+            }
+        });
+        for (i, a) in acc.iter_mut().enumerate() {
+            let b = _mm512_set1_ps(*pp.add(i * n + t));
+            for k in 0..4 {
+                a[k] = _mm512_fmadd_ps(b, vk[k], a[k]);
+            }
+        }
+    }
+    let po = out.as_mut_ptr();
+    for (i, a) in acc.iter().enumerate() {
+        for k in 0..4 {
+            _mm512_mask_storeu_ps(po.add((i0 + i) * d + c + 16 * k), masks[k], a[k]);
+        }
+    }
+}

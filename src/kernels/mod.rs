@@ -356,6 +356,25 @@ pub fn axpy_with(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `out[i, :] = Σ_t p[i, t] · v[t, :]` for the `m` rows of `p` (`[m, v.rows]`); `out` is `[m, v.cols]`.
+/// Attention's probabilities times its values, with `v` read once for all rows. Each output element
+/// adds its terms in `t` order (fused multiply-adds in the SIMD versions), so the result does not depend
+/// on `m`: a row gets the same bits alone or in a batch.
+pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, out: &mut [f32]) {
+    weighted_rows_with(isa(), p, m, v, out)
+}
+
+pub fn weighted_rows_with(isa: Isa, p: &[f32], m: usize, v: MatRef, out: &mut [f32]) {
+    assert!(p.len() == m * v.rows && out.len() == m * v.cols, "weighted_rows shapes");
+    match (runnable(isa), v.dtype) {
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512 | Isa::Avx512Bf16, DType::BF16 | DType::F32) => avx512::weighted_rows(p, m, v, out),
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, DType::BF16 | DType::F32) => avx2::weighted_rows(p, m, v, out),
+        _ => scalar::weighted_rows(p, m, v, out),
+    }
+}
+
 /// Index of the largest value; ties go to the lowest index (torch's argmax). NaN never wins.
 pub fn argmax(x: &[f32]) -> usize {
     let mut best = 0;

@@ -80,3 +80,19 @@ pub fn softcap(x: &mut [f32], cap: f32, dt: DType) {
         *v = dt.round(y * cap);
     }
 }
+
+/// `out[i, :] = Σ_t p[i, t] · v[t, :]`, terms added in `t` order.
+pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, out: &mut [f32]) {
+    let (n, d) = (v.rows, v.cols);
+    out.fill(0.0);
+    let mut row = vec![0f32; d];
+    for t in 0..n {
+        v.row_f32(t, &mut row);
+        for i in 0..m {
+            let a = p[i * n + t];
+            for (o, &x) in out[i * d..(i + 1) * d].iter_mut().zip(&row) {
+                *o += a * x;
+            }
+        }
+    }
+}

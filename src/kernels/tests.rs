@@ -360,3 +360,32 @@ fn softcap_and_bf16_rounding_match_scalar() {
         assert_eq!(g.to_bits(), half::bf16::from_f32(*x).to_f32().to_bits());
     }
 }
+
+#[test]
+fn weighted_rows_match_scalar_and_do_not_depend_on_the_batch() {
+    let mut rng = Rng(12);
+    for isa in simd_isas() {
+        for dtype in [DType::BF16, DType::F32] {
+            for (n, d) in [(1, 16), (7, 64), (100, 512), (33, 24), (5, 100), (64, 256), (0, 32)] {
+                let v = Weights::random(&mut rng, dtype, n, d);
+                for m in [1, 2, 5, 6, 7, 13, 17] {
+                    let p = rng.vec(m * n, 1.0);
+                    let (mut got, mut want) = (vec![f32::NAN; m * d], vec![0f32; m * d]);
+                    weighted_rows_with(isa, &p, m, v.mat(), &mut got);
+                    scalar::weighted_rows(&p, m, v.mat(), &mut want);
+                    for i in 0..m {
+                        let mut row = vec![0f32; d];
+                        for j in 0..d {
+                            let s: f32 = (0..n).map(|t| (p[i * n + t] * dtype.load(v.mat().data, t * d + j)).abs()).sum();
+                            let (g, w) = (got[i * d + j], want[i * d + j]);
+                            assert!((g - w).abs() <= 1e-6 * (n as f32 + 1.0) * s, "{isa} {dtype:?} n={n} d={d} m={m} [{i},{j}]: {g} vs {w}");
+                        }
+                        // The same row alone: the same bits.
+                        weighted_rows_with(isa, &p[i * n..(i + 1) * n], 1, v.mat(), &mut row);
+                        assert!(row.iter().zip(&got[i * d..(i + 1) * d]).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa} {dtype:?} m={m} row {i}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -3,11 +3,22 @@
 
 use anyhow::{bail, Result};
 
+use std::ops::Range;
+
 use crate::config::{KvMode, LayerType, TextConfig};
-use crate::kernels::DType;
+use crate::kernels::{DType, MatRef};
 
 /// The most entries a single rollback may remove (and so the most rows one forward can later undo).
 pub const MAX_ROLLBACK: usize = 64;
+
+// Matrices over the cache are handed to the kernels as little-endian bytes.
+const _: () = assert!(cfg!(target_endian = "little"), "the K/V cache is read as little-endian bytes");
+
+/// The bytes of a slice of plain numbers.
+fn as_bytes<T: Copy>(x: &[T]) -> &[u8] {
+    // SAFETY: f32 and u16 have no padding and any byte pattern may be read; u8 has alignment 1.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
+}
 
 /// Cached keys or values. Entries are already rounded to the model dtype, so a bf16 model keeps them as
 /// bf16 without loss: half the memory and half the attention reads of f32.
@@ -67,8 +78,17 @@ impl KvData {
         }
     }
 
+    /// Rows `at..at+n` of a `[_, cols]` buffer as a matrix (bytes in memory order: little-endian).
+    fn rows(&self, at: usize, n: usize, cols: usize) -> MatRef<'_> {
+        let (lo, hi) = (at * cols, (at + n) * cols);
+        match self {
+            KvData::F32(v) => MatRef::new(DType::F32, n, cols, as_bytes(&v[lo..hi])),
+            KvData::Bf16(v) => MatRef::new(DType::BF16, n, cols, as_bytes(&v[lo..hi])),
+        }
+    }
+
     /// Every element as f32.
-    pub fn to_f32(&self) -> Vec<f32> {
+    fn to_f32(&self) -> Vec<f32> {
         match self {
             KvData::F32(v) => v.clone(),
             KvData::Bf16(v) => v.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect(),
@@ -76,7 +96,8 @@ impl KvData {
     }
 }
 
-/// Keys and values of one layer: `[entries, kv_heads, head_dim]`, post k_norm+RoPE / post v_norm.
+/// Keys and values of one layer, post k_norm+RoPE / post v_norm, one `[entries, head_dim]` buffer per KV
+/// head: attention reads a head's keys (or values) for a range of positions as one matrix.
 #[derive(Clone, Debug)]
 pub struct LayerKv {
     pub kind: LayerType,
@@ -84,22 +105,33 @@ pub struct LayerKv {
     pub head_dim: usize,
     /// Absolute position of entry 0.
     pub start: usize,
-    pub k: KvData,
-    pub v: KvData,
+    k: Vec<KvData>,
+    v: Vec<KvData>,
 }
 
 impl LayerKv {
-    /// A layer holding the given f32 keys and values (`[entries, kv_heads, head_dim]`) from position `start`.
-    pub fn from_f32(kind: LayerType, kv_heads: usize, head_dim: usize, start: usize, k: Vec<f32>, v: Vec<f32>) -> LayerKv {
-        LayerKv { kind, kv_heads, head_dim, start, k: KvData::F32(k), v: KvData::F32(v) }
+    fn empty(kind: LayerType, kv_heads: usize, head_dim: usize, dtype: DType) -> LayerKv {
+        let bufs = || (0..kv_heads).map(|_| KvData::new(dtype)).collect();
+        LayerKv { kind, kv_heads, head_dim, start: 0, k: bufs(), v: bufs() }
     }
 
-    fn row(&self) -> usize {
-        self.kv_heads * self.head_dim
+    /// A layer holding the given keys and values (`[kv_heads, entries, head_dim]`) from position `start`,
+    /// stored as a model of `dtype` stores them.
+    pub fn from_values(kind: LayerType, kv_heads: usize, head_dim: usize, start: usize, dtype: DType, k: &[f32], v: &[f32]) -> LayerKv {
+        let split = |x: &[f32]| {
+            x.chunks_exact(x.len() / kv_heads.max(1))
+                .map(|c| {
+                    let mut h = KvData::new(dtype);
+                    h.extend(c);
+                    h
+                })
+                .collect()
+        };
+        LayerKv { kind, kv_heads, head_dim, start, k: split(k), v: split(v) }
     }
 
     pub fn entries(&self) -> usize {
-        self.k.len() / self.row()
+        self.k.first().map_or(0, |k| k.len() / self.head_dim)
     }
 
     /// One past the last absolute position held.
@@ -110,12 +142,40 @@ impl LayerKv {
     /// Key of absolute position `pos`, KV head `g` (`buf`: scratch of at least `head_dim`).
     #[inline]
     pub fn key<'a>(&'a self, pos: usize, g: usize, buf: &'a mut [f32]) -> &'a [f32] {
-        self.k.slice((pos - self.start) * self.row() + g * self.head_dim, self.head_dim, buf)
+        self.k[g].slice((pos - self.start) * self.head_dim, self.head_dim, buf)
     }
 
     #[inline]
     pub fn value<'a>(&'a self, pos: usize, g: usize, buf: &'a mut [f32]) -> &'a [f32] {
-        self.v.slice((pos - self.start) * self.row() + g * self.head_dim, self.head_dim, buf)
+        self.v[g].slice((pos - self.start) * self.head_dim, self.head_dim, buf)
+    }
+
+    /// Keys of KV head `g` at the absolute positions `range`, as a `[range.len(), head_dim]` matrix.
+    pub fn keys(&self, g: usize, range: Range<usize>) -> MatRef<'_> {
+        self.k[g].rows(range.start - self.start, range.len(), self.head_dim)
+    }
+
+    /// Values of KV head `g` at the absolute positions `range`, as a `[range.len(), head_dim]` matrix.
+    pub fn values(&self, g: usize, range: Range<usize>) -> MatRef<'_> {
+        self.v[g].rows(range.start - self.start, range.len(), self.head_dim)
+    }
+
+    /// All keys (or values) as f32, `[kv_heads, entries, head_dim]`.
+    pub fn to_f32(&self, values: bool) -> Vec<f32> {
+        (if values { &self.v } else { &self.k }).iter().flat_map(|h| h.to_f32()).collect()
+    }
+
+    fn truncate(&mut self, entries: usize) {
+        for h in self.k.iter_mut().chain(self.v.iter_mut()) {
+            h.truncate(entries * self.head_dim);
+        }
+    }
+
+    fn drop_front(&mut self, entries: usize) {
+        for h in self.k.iter_mut().chain(self.v.iter_mut()) {
+            h.drain_front(entries * self.head_dim);
+        }
+        self.start += entries;
     }
 }
 
@@ -134,14 +194,7 @@ impl KvCache {
             .layers
             .iter()
             .map(|l| {
-                (l.kv_mode != KvMode::Reuse).then(|| LayerKv {
-                    kind: l.kind,
-                    kv_heads: l.kv_heads,
-                    head_dim: l.head_dim,
-                    start: 0,
-                    k: KvData::new(dtype),
-                    v: KvData::new(dtype),
-                })
+                (l.kv_mode != KvMode::Reuse).then(|| LayerKv::empty(l.kind, l.kv_heads, l.head_dim, dtype))
             })
             .collect();
         KvCache { layers, tokens: Vec::new(), sliding_need: cfg.sliding_window + 1 }
@@ -164,8 +217,7 @@ impl KvCache {
     pub fn clear(&mut self) {
         for l in self.layers.iter_mut().flatten() {
             l.start = 0;
-            l.k.truncate(0);
-            l.v.truncate(0);
+            l.truncate(0);
         }
         self.tokens.clear();
     }
@@ -190,8 +242,13 @@ impl KvCache {
     pub(crate) fn append(&mut self, i: usize, k: &[f32], v: &[f32]) {
         let l = self.layers[i].as_mut().expect("append to a layer with a cache");
         debug_assert_eq!(l.end(), self.tokens.len(), "layer {i} out of step with the cache");
-        l.k.extend(k);
-        l.v.extend(v);
+        let d = l.head_dim;
+        for (g, (kh, vh)) in l.k.iter_mut().zip(l.v.iter_mut()).enumerate() {
+            for (kr, vr) in k.chunks_exact(l.kv_heads * d).zip(v.chunks_exact(l.kv_heads * d)) {
+                kh.extend(&kr[g * d..(g + 1) * d]);
+                vh.extend(&vr[g * d..(g + 1) * d]);
+            }
+        }
     }
 
     /// Mark the positions of `tokens` as processed, and trim sliding layers (amortised: only when they
@@ -202,10 +259,7 @@ impl KvCache {
         for l in self.layers.iter_mut().flatten() {
             if l.kind == LayerType::Sliding && l.entries() > 2 * keep {
                 let drop = l.entries() - keep;
-                let row = l.row();
-                l.k.drain_front(drop * row);
-                l.v.drain_front(drop * row);
-                l.start += drop;
+                l.drop_front(drop);
             }
         }
     }
@@ -229,10 +283,7 @@ impl KvCache {
             );
         }
         for l in self.layers.iter_mut().flatten() {
-            let row = l.row();
-            let keep = n.saturating_sub(l.start);
-            l.k.truncate(keep * row);
-            l.v.truncate(keep * row);
+            l.truncate(n.saturating_sub(l.start));
         }
         self.tokens.truncate(n);
         Ok(())

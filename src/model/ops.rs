@@ -63,54 +63,79 @@ pub fn gelu_mlp(x: &[f32], rows: usize, gate: MatRef, up: MatRef, down: MatRef, 
     out
 }
 
+/// Query rows whose keys and values are read together (a verify forward is one block).
+const ROW_BLOCK: usize = 17;
+
 /// Attention of `rows` query rows (`q`: `[rows, hq, D]`) over a layer's K/V, scale 1.0 (spec §3.4): row `r`
 /// sees the absolute key positions `keys(r)`. Scores and probabilities are rounded like the reference's
 /// eager path (bf16 matmul outputs, f32 softmax cast back).
 ///
-/// The query heads that share a KV head are processed together, so each key and value is read once per
-/// group rather than once per head (Gemma 4 has up to 16 query heads per KV head); groups are split only
-/// when there are fewer groups than threads. Each head's arithmetic is the same either way.
+/// Each key and value is read once for all the query heads that share its KV head and for a block of up to
+/// `ROW_BLOCK` rows (Gemma 4 has up to 16 query heads per KV head, and a verify forward's rows see nearly
+/// the same keys), so at long contexts the cost of attention grows far slower than heads x rows. Heads are
+/// split across threads only when there are fewer tasks than threads. Each (row, head)'s arithmetic is the
+/// same however the work is grouped, so the output does not depend on `rows` or the thread count.
 pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usize) -> Range<usize> + Sync, dt: DType, out: &mut [f32]) {
     let d = kv.head_dim;
     let group = hq / kv.kv_heads;
+    let blocks = rows.div_ceil(ROW_BLOCK);
+    let block_rows = rows.div_ceil(blocks.max(1));
     let threads = rayon::current_num_threads();
     let mut sub = group;
-    while rows * (hq / sub) < threads && sub % 2 == 0 {
+    while blocks * (hq / sub) < threads && sub % 2 == 0 {
         sub /= 2;
     }
-    let per_row = hq / sub;
-    let work = |(idx, o): (usize, &mut [f32])| {
-        let (r, h0) = (idx / per_row, (idx % per_row) * sub);
+    let tasks: Vec<(usize, usize)> = (0..blocks).flat_map(|b| (0..hq / sub).map(move |hs| (b * block_rows, hs * sub))).collect();
+    let work = |&(r0, h0): &(usize, usize)| -> Vec<f32> {
         let g = h0 / group;
-        let range = keys(r);
-        debug_assert!(range.start >= kv.start && range.end <= kv.end(), "cache lacks positions {range:?}");
-        let qs = &q[(r * hq + h0) * d..(r * hq + h0 + sub) * d];
-        let n = range.len();
-        let mut s = vec![0f32; sub * n];
+        let ranges: Vec<Range<usize>> = (r0..(r0 + block_rows).min(rows)).map(&keys).collect();
+        // Scores of row i, head j, key t at offset[i] + j * len_i + (t - start_i).
+        let mut offset = Vec::with_capacity(ranges.len());
+        let mut total = 0;
+        for range in &ranges {
+            debug_assert!(range.is_empty() || (range.start >= kv.start && range.end <= kv.end()), "cache lacks positions {range:?}");
+            offset.push(total);
+            total += sub * range.len();
+        }
+        let lo = ranges.iter().filter(|r| !r.is_empty()).map(|r| r.start).min().unwrap_or(0);
+        let hi = ranges.iter().map(|r| r.end).max().unwrap_or(0);
+        let mut s = vec![0f32; total];
         let mut buf = vec![0f32; d];
-        for (i, t) in range.clone().enumerate() {
+        for t in lo..hi {
             let k = kv.key(t, g, &mut buf);
-            for (j, qv) in qs.chunks_exact(d).enumerate() {
-                s[j * n + i] = dt.round(kernels::dot(qv, k));
+            for (i, range) in ranges.iter().enumerate().filter(|(_, r)| r.contains(&t)) {
+                let (n, at) = (range.len(), offset[i] + t - range.start);
+                let qs = &q[((r0 + i) * hq + h0) * d..][..sub * d];
+                for (j, qv) in qs.chunks_exact(d).enumerate() {
+                    s[at + j * n] = dt.round(kernels::dot(qv, k));
+                }
             }
         }
-        for p in s.chunks_exact_mut(n.max(1)) {
-            kernels::softmax(p);
-            dt.round_slice(p);
+        for (i, range) in ranges.iter().enumerate() {
+            for p in s[offset[i]..offset[i] + sub * range.len()].chunks_exact_mut(range.len().max(1)) {
+                kernels::softmax(p);
+                dt.round_slice(p);
+            }
         }
-        o.iter_mut().for_each(|x| *x = 0.0);
-        for (i, t) in range.enumerate() {
+        let mut o = vec![0f32; ranges.len() * sub * d];
+        for t in lo..hi {
             let v = kv.value(t, g, &mut buf);
-            for (j, oj) in o.chunks_exact_mut(d).enumerate() {
-                kernels::axpy(s[j * n + i], v, oj);
+            for (i, range) in ranges.iter().enumerate().filter(|(_, r)| r.contains(&t)) {
+                let (n, at) = (range.len(), offset[i] + t - range.start);
+                for (j, oj) in o[i * sub * d..][..sub * d].chunks_exact_mut(d).enumerate() {
+                    kernels::axpy(s[at + j * n], v, oj);
+                }
             }
         }
-        dt.round_slice(o);
+        dt.round_slice(&mut o);
+        o
     };
     let work_size = rows * hq * keys(rows.saturating_sub(1)).len() * d;
-    if work_size > 1 << 16 {
-        out.par_chunks_mut(sub * d).enumerate().for_each(work);
-    } else {
-        out.chunks_mut(sub * d).enumerate().for_each(work);
+    let results: Vec<Vec<f32>> =
+        if work_size > 1 << 16 { tasks.par_iter().map(work).collect() } else { tasks.iter().map(work).collect() };
+    for (&(r0, h0), o) in tasks.iter().zip(&results) {
+        for (i, oi) in o.chunks_exact(sub * d).enumerate() {
+            out[((r0 + i) * hq + h0) * d..][..sub * d].copy_from_slice(oi);
+        }
     }
 }
