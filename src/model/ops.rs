@@ -63,23 +63,25 @@ pub fn gelu_mlp(x: &[f32], rows: usize, gate: MatRef, up: MatRef, down: MatRef, 
     out
 }
 
-/// Query rows whose keys and values are read together (a verify forward is one block).
+/// Query rows whose keys and values are read together (a verify forward is one block; a prefill chunk
+/// is split so that the score matrix stays small).
 const ROW_BLOCK: usize = 17;
 
 /// Attention of `rows` query rows (`q`: `[rows, hq, D]`) over a layer's K/V, scale 1.0 (spec §3.4): row `r`
 /// sees the absolute key positions `keys(r)`. Scores and probabilities are rounded like the reference's
 /// eager path (bf16 matmul outputs, f32 softmax cast back).
 ///
-/// Each key and value is read once for all the query heads that share its KV head and for a block of up to
-/// `ROW_BLOCK` rows (Gemma 4 has up to 16 query heads per KV head, and a verify forward's rows see nearly
-/// the same keys), so at long contexts the cost of attention grows far slower than heads x rows. Heads are
-/// split across threads only when there are fewer tasks than threads. Each (row, head)'s arithmetic is the
-/// same however the work is grouped, so the output does not depend on `rows` or the thread count.
+/// For each KV head, the queries of the heads that share it, over a block of rows, are one matmul
+/// against that head's keys and one `weighted_rows` over its values: each key and value is read once per
+/// block, by the same register-tiled kernels as the weights. A row's scores past its own key range are
+/// computed and then zeroed, which adds exact zeros; so, as every kernel here gives each (row, head) the
+/// same bits whatever it is batched with, the output does not depend on `rows` or the thread count.
+/// Heads are split across threads only when there are fewer tasks than threads.
 pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usize) -> Range<usize> + Sync, dt: DType, out: &mut [f32]) {
     let d = kv.head_dim;
     let group = hq / kv.kv_heads;
-    let blocks = rows.div_ceil(ROW_BLOCK);
-    let block_rows = rows.div_ceil(blocks.max(1));
+    let blocks = rows.div_ceil(ROW_BLOCK).max(1);
+    let block_rows = rows.div_ceil(blocks);
     let threads = rayon::current_num_threads();
     let mut sub = group;
     while blocks * (hq / sub) < threads && sub % 2 == 0 {
@@ -87,46 +89,37 @@ pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usi
     }
     let tasks: Vec<(usize, usize)> = (0..blocks).flat_map(|b| (0..hq / sub).map(move |hs| (b * block_rows, hs * sub))).collect();
     let work = |&(r0, h0): &(usize, usize)| -> Vec<f32> {
-        let g = h0 / group;
-        let ranges: Vec<Range<usize>> = (r0..(r0 + block_rows).min(rows)).map(&keys).collect();
-        // Scores of row i, head j, key t at offset[i] + j * len_i + (t - start_i).
-        let mut offset = Vec::with_capacity(ranges.len());
-        let mut total = 0;
-        for range in &ranges {
-            debug_assert!(range.is_empty() || (range.start >= kv.start && range.end <= kv.end()), "cache lacks positions {range:?}");
-            offset.push(total);
-            total += sub * range.len();
-        }
-        let lo = ranges.iter().filter(|r| !r.is_empty()).map(|r| r.start).min().unwrap_or(0);
+        let (g, nr) = (h0 / group, (r0 + block_rows).min(rows) - r0);
+        let ranges: Vec<Range<usize>> = (r0..r0 + nr).map(&keys).filter(|r| !r.is_empty()).collect();
+        let lo = ranges.iter().map(|r| r.start).min().unwrap_or(0);
         let hi = ranges.iter().map(|r| r.end).max().unwrap_or(0);
-        let mut s = vec![0f32; total];
-        let mut buf = vec![0f32; d];
-        for t in lo..hi {
-            let k = kv.key(t, g, &mut buf);
-            for (i, range) in ranges.iter().enumerate().filter(|(_, r)| r.contains(&t)) {
-                let (n, at) = (range.len(), offset[i] + t - range.start);
-                let qs = &q[((r0 + i) * hq + h0) * d..][..sub * d];
-                for (j, qv) in qs.chunks_exact(d).enumerate() {
-                    s[at + j * n] = dt.round(kernels::dot(qv, k));
+        let (m, n) = (nr * sub, hi - lo);
+        let mut o = vec![0f32; m * d];
+        if n == 0 {
+            return o;
+        }
+        debug_assert!(lo >= kv.start && hi <= kv.end(), "cache lacks positions {lo}..{hi}");
+        let mut x = Vec::with_capacity(m * d);
+        for r in r0..r0 + nr {
+            x.extend_from_slice(&q[(r * hq + h0) * d..][..sub * d]);
+        }
+        let mut s = vec![0f32; m * n];
+        kernels::matmul(&x, m, kv.keys(g, lo..hi), &mut s);
+        for (i, scores) in s.chunks_exact_mut(sub * n).enumerate() {
+            let range = keys(r0 + i);
+            let (a, b) = if range.is_empty() { (0, 0) } else { (range.start - lo, range.end - lo) };
+            for p in scores.chunks_exact_mut(n) {
+                p[..a].fill(0.0);
+                p[b..].fill(0.0);
+                let p = &mut p[a..b];
+                if !p.is_empty() {
+                    dt.round_slice(p);
+                    kernels::softmax(p);
+                    dt.round_slice(p);
                 }
             }
         }
-        for (i, range) in ranges.iter().enumerate() {
-            for p in s[offset[i]..offset[i] + sub * range.len()].chunks_exact_mut(range.len().max(1)) {
-                kernels::softmax(p);
-                dt.round_slice(p);
-            }
-        }
-        let mut o = vec![0f32; ranges.len() * sub * d];
-        for t in lo..hi {
-            let v = kv.value(t, g, &mut buf);
-            for (i, range) in ranges.iter().enumerate().filter(|(_, r)| r.contains(&t)) {
-                let (n, at) = (range.len(), offset[i] + t - range.start);
-                for (j, oj) in o[i * sub * d..][..sub * d].chunks_exact_mut(d).enumerate() {
-                    kernels::axpy(s[at + j * n], v, oj);
-                }
-            }
-        }
+        kernels::weighted_rows(&s, m, kv.values(g, lo..hi), &mut o);
         dt.round_slice(&mut o);
         o
     };
