@@ -217,6 +217,7 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
     let num_kv_heads = f.positive("num_key_value_heads", 4)?;
     let head_dim = f.positive("head_dim", 256)?;
     let rms_norm_eps = f.float("rms_norm_eps", 1e-6)?;
+    #[allow(clippy::neg_cmp_op_on_partial_ord)] // also rejects NaN
     if !(rms_norm_eps > 0.0) {
         bail!("field `{ctx}rms_norm_eps` must be positive, got {rms_norm_eps}");
     }

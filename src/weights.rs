@@ -108,7 +108,7 @@ impl Tensor {
             _ => unreachable!("validated as float at load"),
         };
         let cols = *self.shape.last().unwrap_or(&1);
-        let rows = if cols == 0 { 0 } else { self.shape.iter().product::<usize>() / cols };
+        let rows = self.shape.iter().product::<usize>().checked_div(cols).unwrap_or(0);
         MatRef::new(d, rows, cols, self.bytes())
     }
 

@@ -523,8 +523,8 @@ unsafe fn weighted_block<const MB: usize>(p: &[f32], i0: usize, c: usize, v: Mat
     }
     let po = out.as_mut_ptr();
     for (i, a) in acc.iter().enumerate() {
-        for k in 0..2 {
-            _mm256_storeu_ps(po.add((i0 + i) * d + c + 8 * k), a[k]);
+        for (k, ak) in a.iter().enumerate() {
+            _mm256_storeu_ps(po.add((i0 + i) * d + c + 8 * k), *ak);
         }
     }
 }

@@ -84,7 +84,7 @@ pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usi
     let block_rows = rows.div_ceil(blocks);
     let threads = rayon::current_num_threads();
     let mut sub = group;
-    while blocks * (hq / sub) < threads && sub % 2 == 0 {
+    while blocks * (hq / sub) < threads && sub.is_multiple_of(2) {
         sub /= 2;
     }
     let tasks: Vec<(usize, usize)> = (0..blocks).flat_map(|b| (0..hq / sub).map(move |hs| (b * block_rows, hs * sub))).collect();
