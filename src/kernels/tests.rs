@@ -122,6 +122,8 @@ fn matmul_matches_scalar_on_larger_shapes() {
             check_matmul(isa, &mut rng, dtype, 11, 3000, 12);
             check_matmul(isa, &mut rng, dtype, 6, 7000, 4);
             check_matmul(isa, &mut rng, dtype, 5, 9000, 5);
+            // ... over more weight rows than one panel of tiles holds (and a tail).
+            check_matmul(isa, &mut rng, dtype, 1031, 2600, 5);
         }
     }
 }
@@ -177,7 +179,9 @@ fn matmul_is_bit_exact_across_threads_and_batch() {
     let pool1 = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     let pool3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
     for isa in simd_isas() {
-        for (dtype, rows, cols) in [(DType::BF16, 203, 77), (DType::F16, 203, 77), (DType::F32, 203, 77), (DType::BF16, 31, 3001), (DType::F32, 31, 3001)] {
+        for (dtype, rows, cols) in
+            [(DType::BF16, 203, 77), (DType::F16, 203, 77), (DType::F32, 203, 77), (DType::BF16, 31, 3001), (DType::F32, 31, 3001), (DType::BF16, 800, 2600)]
+        {
             let w = Weights::random(&mut rng, dtype, rows, cols);
             for m in [1, 5, 8, 16] {
                 let x = rng.vec(m * cols, 1.0);
