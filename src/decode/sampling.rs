@@ -421,6 +421,21 @@ fn max_ignoring_nan(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
+/// [`shifted_exp`] of each of `ids`' logits: one SIMD pass over the whole vector when `ids` covers much
+/// of it (a 262,144-token vocabulary without top-k), one call each otherwise.
+fn shifted_exps(logits: &[f32], ids: &[u32], m: f32) -> Vec<f32> {
+    if m.is_finite() && ids.len() * 8 >= logits.len() {
+        let mut all = vec![0f32; logits.len()];
+        crate::kernels::exp_shifted(logits, m, &mut all);
+        if ids.len() == logits.len() {
+            return all; // ids are 0..n
+        }
+        ids.iter().map(|&i| all[i as usize]).collect()
+    } else {
+        ids.iter().map(|&i| shifted_exp(logits[i as usize], m)).collect()
+    }
+}
+
 /// `exp(l - m)` where `m` is the maximum; an infinite maximum gives its `+inf` entries weight 1.
 #[inline]
 fn shifted_exp(l: f32, m: f32) -> f32 {
@@ -444,18 +459,16 @@ fn softmax_into(l: &[f32], out: &mut [f32]) {
         out[0] = 1.0;
         return;
     }
-    let mut z = 0.0f64;
-    for (o, &x) in out.iter_mut().zip(l) {
-        let e = if x == f32::NEG_INFINITY {
-            0.0
-        } else {
-            shifted_exp(x, m)
-        };
-        *o = e;
-        z += e as f64;
+    if m.is_finite() {
+        crate::kernels::exp_shifted(l, m, out);
+    } else {
+        for (o, &x) in out.iter_mut().zip(l) {
+            *o = if x == f32::NEG_INFINITY { 0.0 } else { shifted_exp(x, m) };
+        }
     }
+    let inv = 1.0 / out.iter().map(|&e| e as f64).sum::<f64>();
     for o in out.iter_mut() {
-        *o = (*o as f64 / z) as f32;
+        *o = (*o as f64 * inv) as f32;
     }
 }
 
@@ -465,7 +478,7 @@ fn softmax_over(l: &[f32], ids: &[u32]) -> Vec<f32> {
     let m = ids
         .iter()
         .fold(f32::NEG_INFINITY, |m, &i| m.max(l[i as usize]));
-    let mut w: Vec<f32> = ids.iter().map(|&i| shifted_exp(l[i as usize], m)).collect();
+    let mut w = shifted_exps(l, ids, m);
     let z: f64 = w.iter().map(|&e| e as f64).sum();
     for e in w.iter_mut() {
         *e = (*e as f64 / z) as f32;
@@ -559,20 +572,15 @@ fn top_p_filter(logits: &mut [f32], cands: Option<&[u32]>, top_p: f32) -> Vec<u3
         .fold(f32::NEG_INFINITY, |m, &i| m.max(logits[i as usize]));
     let mut cs: Vec<Cand> = ids
         .iter()
-        .map(|&i| {
-            let v = logits[i as usize];
-            Cand {
-                v,
-                id: i,
-                p: shifted_exp(v, m) as f64,
-            }
-        })
+        .zip(shifted_exps(logits, &ids, m))
+        .map(|(&i, e)| Cand { v: logits[i as usize], id: i, p: e as f64 })
         .collect();
     let z: f64 = cs.iter().map(|c| c.p).sum();
     let top_p = top_p as f64;
     let eps = (1.0 - top_p) / cs.len() as f64;
+    let inv_z = 1.0 / z;
     cs.retain_mut(|c| {
-        c.p /= z;
+        c.p *= inv_z;
         if c.p < eps && c.v < m {
             logits[c.id as usize] = f32::NEG_INFINITY;
             false
@@ -629,10 +637,7 @@ fn min_p_filter(logits: &mut [f32], cands: Option<&[u32]>, min_p: f32) -> Vec<u3
         }
     });
     let m = logits[best as usize];
-    let z: f64 = ids
-        .iter()
-        .map(|&i| shifted_exp(logits[i as usize], m) as f64)
-        .sum();
+    let z: f64 = shifted_exps(logits, &ids, m).iter().map(|&e| e as f64).sum();
     let top_prob = (1.0 / z) as f32; // exp(m - m) / z
     let thr = min_p * top_prob;
     let mut kept = Vec::with_capacity(ids.len());

@@ -528,3 +528,19 @@ unsafe fn weighted_block<const MB: usize>(p: &[f32], i0: usize, c: usize, v: Mat
         }
     }
 }
+
+pub fn exp_shifted(x: &[f32], m: f32, out: &mut [f32]) {
+    assert!(supported() && x.len() == out.len());
+    let full = x.len() / 8 * 8;
+    // SAFETY: features asserted; whole vectors inside both slices.
+    unsafe { exp_shifted_impl(&x[..full], m, &mut out[..full]) }
+    super::scalar::exp_shifted(&x[full..], m, &mut out[full..]);
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_shifted_impl(x: &[f32], m: f32, out: &mut [f32]) {
+    let mv = _mm256_set1_ps(m);
+    for (xs, os) in x.chunks_exact(8).zip(out.chunks_exact_mut(8)) {
+        _mm256_storeu_ps(os.as_mut_ptr(), exp(_mm256_sub_ps(_mm256_loadu_ps(xs.as_ptr()), mv)));
+    }
+}

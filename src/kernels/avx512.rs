@@ -595,3 +595,22 @@ unsafe fn weighted_block<const MB: usize>(p: &[f32], i0: usize, c: usize, v: Mat
         }
     }
 }
+
+pub fn exp_shifted(x: &[f32], m: f32, out: &mut [f32]) {
+    assert!(supported() && x.len() == out.len());
+    // SAFETY: features asserted; equal lengths, masked tail.
+    unsafe { exp_shifted_impl(x, m, out) }
+}
+
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn exp_shifted_impl(x: &[f32], m: f32, out: &mut [f32]) {
+    let (n, px, po) = (x.len(), x.as_ptr(), out.as_mut_ptr());
+    let (mv, ninf) = (_mm512_set1_ps(m), _mm512_set1_ps(f32::NEG_INFINITY));
+    let mut i = 0;
+    while i < n {
+        let mask = tail_mask16(n - i);
+        let e = exp(_mm512_sub_ps(_mm512_mask_loadu_ps(ninf, mask, px.add(i)), mv));
+        _mm512_mask_storeu_ps(po.add(i), mask, e);
+        i += 16;
+    }
+}

@@ -356,6 +356,22 @@ pub fn axpy_with(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `out[i] = exp(x[i] - m)` (`-inf` gives 0): softmax numerators over a whole vocabulary.
+pub fn exp_shifted(x: &[f32], m: f32, out: &mut [f32]) {
+    exp_shifted_with(isa(), x, m, out)
+}
+
+pub fn exp_shifted_with(isa: Isa, x: &[f32], m: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), out.len(), "exp_shifted shapes");
+    match runnable(isa) {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => avx512::exp_shifted(x, m, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::exp_shifted(x, m, out),
+        _ => scalar::exp_shifted(x, m, out),
+    }
+}
+
 /// `out[i, :] = Σ_t p[i, t] · v[t, :]` for the `m` rows of `p` (`[m, v.rows]`); `out` is `[m, v.cols]`.
 /// Attention's probabilities times its values, with `v` read once for all rows. Each output element
 /// adds its terms in `t` order (fused multiply-adds in the SIMD versions), so the result does not depend

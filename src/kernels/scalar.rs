@@ -96,3 +96,9 @@ pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, out: &mut [f32]) {
         }
     }
 }
+
+pub fn exp_shifted(x: &[f32], m: f32, out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = (v - m).exp();
+    }
+}

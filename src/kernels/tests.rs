@@ -393,3 +393,27 @@ fn weighted_rows_match_scalar_and_do_not_depend_on_the_batch() {
         }
     }
 }
+
+#[test]
+fn exp_shifted_matches_scalar() {
+    let mut rng = Rng(13);
+    for isa in simd_isas() {
+        for n in LENS {
+            let mut x = rng.vec(n, 30.0);
+            if n > 3 {
+                x[1] = f32::NEG_INFINITY;
+                x[2] = -200.0;
+                x[3] = 0.0;
+            }
+            let (mut got, mut want) = (vec![f32::NAN; n], vec![0f32; n]);
+            exp_shifted_with(isa, &x, 5.0, &mut got);
+            scalar::exp_shifted(&x, 5.0, &mut want);
+            for i in 0..n {
+                assert!((got[i] - want[i]).abs() <= 4e-7 * want[i] + 1e-38, "{isa} n={n} x={}: {} vs {}", x[i], got[i], want[i]);
+            }
+            if n > 3 {
+                assert_eq!(got[1], 0.0, "{isa}: exp(-inf)");
+            }
+        }
+    }
+}
