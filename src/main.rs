@@ -293,6 +293,9 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
         }
     }
     let model = TargetModel::load(&model_dir)?;
+    if let Some(w) = memory_warning(model.working_set_bytes(), physical_memory_bytes()) {
+        eprintln!("{w}");
+    }
     let tokenizer = match need {
         TextNeed::Required(_) => Some(load_tokenizer(&model_dir, model.cfg.vocab_size)?),
         TextNeed::Optional if has_tokenizer(&model_dir) => match load_tokenizer(&model_dir, model.cfg.vocab_size) {
@@ -406,6 +409,29 @@ impl Session {
         }
         result
     }
+}
+
+/// Total physical memory (Linux: `MemTotal` of /proc/meminfo); None where it cannot be read.
+fn physical_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// A warning when the weights decoding keeps reading cannot stay in memory next to everything else:
+/// tandem still runs (the weights are memory-mapped) but reads them from disk for every token.
+fn memory_warning(working_set: usize, memory: Option<u64>) -> Option<String> {
+    let memory = memory?;
+    let gb = |b: f64| b / 1e9;
+    ((working_set as f64) > 0.85 * memory as f64).then(|| {
+        format!(
+            "warning: decoding reads {:.1} GB of weights but this machine has {:.1} GB of memory; they cannot \
+             stay cached, so every token will wait on the disk",
+            gb(working_set as f64),
+            gb(memory as f64)
+        )
+    })
 }
 
 /// Write text to stdout now; on a terminal, control characters are neutralised.
@@ -796,4 +822,19 @@ fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
         print!("{}", report.table());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warns_only_when_the_weights_cannot_stay_in_memory() {
+        const GB: u64 = 1_000_000_000;
+        assert!(memory_warning(5 * GB as usize, Some(24 * GB)).is_none());
+        assert!(memory_warning(5 * GB as usize, None).is_none());
+        let w = memory_warning(62 * GB as usize, Some(24 * GB)).unwrap();
+        assert!(w.starts_with("warning: decoding reads 62.0 GB of weights but this machine has 24.0 GB"), "{w}");
+        assert!(physical_memory_bytes().is_none_or(|m| m > GB));
+    }
 }

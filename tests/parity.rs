@@ -213,3 +213,14 @@ fn greedy_generation_matches_transformers() {
         assert!(checked >= 24, "{name}: only {checked} steps before a near-tie");
     }
 }
+
+#[test]
+fn the_working_set_of_a_moe_model_counts_every_expert() {
+    let dense = TargetModel::load(&fixture_dir("t3-dense")).unwrap();
+    assert!(dense.cfg.moe.is_none());
+    assert_eq!(dense.working_set_bytes(), dense.bytes_per_token());
+    let moe = TargetModel::load(&fixture_dir("t2-moe")).unwrap();
+    let cfg = moe.cfg.moe.unwrap();
+    assert!(cfg.top_k < cfg.num_experts);
+    assert!(moe.working_set_bytes() > moe.bytes_per_token(), "{} vs {}", moe.working_set_bytes(), moe.bytes_per_token());
+}

@@ -228,6 +228,22 @@ impl TargetModel {
         KvCache::new(&self.cfg, self.dtype)
     }
 
+    /// Bytes of weights that decoding keeps reading: one step's, plus every MoE expert (over many
+    /// tokens the router picks them all). When they do not fit in memory, each token pages from disk.
+    pub fn working_set_bytes(&self) -> usize {
+        let experts: usize = self.layers.iter().filter_map(|l| l.moe.as_ref()).map(|m| m.gate_up.bytes().len() + m.down.bytes().len()).sum();
+        let chosen: usize = match self.cfg.moe {
+            Some(mc) => self
+                .layers
+                .iter()
+                .filter_map(|l| l.moe.as_ref())
+                .map(|m| (m.gate_up.bytes().len() + m.down.bytes().len()) / mc.num_experts * mc.top_k)
+                .sum(),
+            None => 0,
+        };
+        self.bytes_per_token() - chosen + experts
+    }
+
     /// Bytes of weights one decode step reads (every matrix once; embedding rows are negligible).
     pub fn bytes_per_token(&self) -> usize {
         let mut n = self.lm_head.bytes().len();
