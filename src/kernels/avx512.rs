@@ -30,6 +30,7 @@ pub fn supported() -> bool {
 pub(super) fn plan(m: usize, k: usize, wide: bool, step: usize, x_bytes: usize, w_bytes: usize) -> Plan {
     let (rows, group) = match (m, wide) {
         (0..=4, _) => (4, m.max(1)),
+        (5..=7, false) if m * k * x_bytes > 24 << 10 => (4, 4),
         (5..=8, false) => (3, m),
         (5..=12, _) => (2, m),
         (_, false) => (3, 8),
