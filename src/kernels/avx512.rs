@@ -8,7 +8,7 @@
 //! 2-byte aligned: every load is unaligned.
 
 use super::x86::{drive, Prefetch};
-use super::tiling::{pack_panels, Plan, Tile};
+use super::tiling::{pack_panels, Plan, Tile, L1_BUDGET};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 
@@ -30,7 +30,9 @@ pub fn supported() -> bool {
 pub(super) fn plan(m: usize, k: usize, wide: bool, step: usize, x_bytes: usize, w_bytes: usize) -> Plan {
     let (rows, group) = match (m, wide) {
         (0..=4, _) => (4, m.max(1)),
-        (5..=7, false) if m * k * x_bytes > 24 << 10 => (4, 4),
+        // 5-7 rows whose x panel overflows L1: two groups sharing each K chunk of the weights beat one
+        // K-chunked group (E4B's hidden size of 2560: 1.1x one row instead of 1.3x).
+        (5..=7, false) if m * k * x_bytes > L1_BUDGET => (4, 4),
         (5..=8, false) => (3, m),
         (5..=12, _) => (2, m),
         (_, false) => (3, 8),

@@ -119,7 +119,7 @@ pub(crate) fn pack_panels<T: Copy + Default>(x: &[f32], m: usize, k: usize, step
 }
 
 /// Half of L1 (48 KiB on Zen 5): what the blocking below lets the reused operands occupy.
-const L1_BUDGET: usize = 24 << 10;
+pub(super) const L1_BUDGET: usize = 24 << 10;
 /// Packed x bytes per cache block: a block's panels stay in L2 (1 MiB per core on Zen 5) next to
 /// the weight tiles.
 const X_BLOCK_BYTES: usize = 512 << 10;
