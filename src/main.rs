@@ -1,6 +1,6 @@
 //! The `tandem` command line.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -228,8 +228,10 @@ fn parse_ids(s: &str) -> Result<Vec<u32>> {
 struct Session {
     model: TargetModel,
     assistant: Option<Assistant>,
-    /// Kept for the whole session, so `auto` carries what it learned from one turn to the next.
+    /// With an assistant: the draft-length policy, kept for the whole session so that `auto` carries
+    /// what it learned from one turn to the next, and whether drafting is on (chat's `/draft` switches it).
     draft: Option<RefCell<DraftPolicy>>,
+    drafting: Cell<bool>,
     /// The K/V of the last run: the next prompt reuses the part it starts with (a chat's earlier turns).
     cache: RefCell<KvCache>,
     opts: GenerateOptions,
@@ -334,7 +336,6 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
     }
     let draft_len = match (&assistant, run.draft_tokens.as_deref()) {
         (None, _) => None,
-        (Some(_), _) if run.no_draft => None,
         (Some(_), Some(k)) => Some(DraftLength::parse(k)?),
         (Some(a), None) => Some(match a.cfg.num_assistant_tokens {
             Some(k) => DraftLength::Fixed(k.min(MAX_DRAFT)),
@@ -342,8 +343,9 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
         }),
     };
     let draft = draft_len.map(|d| RefCell::new(DraftPolicy::from(d)));
+    let drafting = Cell::new(draft.is_some() && !run.no_draft);
     let cache = RefCell::new(model.new_cache());
-    Ok(Session { model, assistant, draft, cache, opts, tokenizer })
+    Ok(Session { model, assistant, draft, drafting, cache, opts, tokenizer })
 }
 
 fn load_tokenizer(dir: &Path, vocab_size: usize) -> Result<TextTokenizer> {
@@ -395,10 +397,28 @@ impl Session {
         }
     }
 
+    /// Chat's `/draft off|on|auto|K`: switch drafting for the next replies; returns what it is now.
+    fn switch_drafting(&self, arg: &str) -> Result<String> {
+        let Some(policy) = &self.draft else {
+            bail!("/draft needs an assistant (start the chat with --assistant DIR)");
+        };
+        match arg {
+            "" => {}
+            "off" => self.drafting.set(false),
+            "on" => self.drafting.set(true),
+            k => {
+                let len = DraftLength::parse(k).map_err(|_| anyhow!("/draft takes off, on, auto or a number of draft tokens from 1 to {MAX_DRAFT}"))?;
+                *policy.borrow_mut() = DraftPolicy::from(len);
+                self.drafting.set(true);
+            }
+        }
+        Ok(if self.drafting.get() { format!("drafting on, draft tokens {}", policy.borrow().describe()) } else { "drafting off".into() })
+    }
+
     fn generate(&self, prompt: &[u32], trace: bool, mut on_tokens: impl FnMut(&[u32]) -> Flow) -> Result<(Generation, Option<SpecStats>)> {
         let cache = &mut *self.cache.borrow_mut();
         let result = match (&self.assistant, &self.draft) {
-            (Some(a), Some(policy)) => {
+            (Some(a), Some(policy)) if self.drafting.get() => {
                 let policy = &mut *policy.borrow_mut();
                 generate_speculative_until(&self.model, a, cache, prompt, &self.opts, policy, trace, on_tokens).map(|(g, s)| (g, Some(s)))
             }
@@ -587,7 +607,7 @@ fn summary(g: &Generation, spec: Option<&SpecStats>) -> String {
 // chat
 // ---------------------------------------------------------------------------------------------
 
-const CHAT_HELP: &str = "/reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply";
+const CHAT_HELP: &str = "/reset starts over, /draft off|on|auto|K switches drafting, /exit (or Ctrl-D) quits, Ctrl-C stops a reply";
 
 /// Lines from stdin, read on their own thread so that Ctrl-C at the prompt is noticed. `None` is end of
 /// input.
@@ -670,6 +690,14 @@ fn run_chat(args: ChatArgs) -> Result<()> {
             "/reset" => {
                 history = system.iter().cloned().collect();
                 eprintln!("(conversation cleared)");
+                prompt_mark();
+                continue;
+            }
+            cmd if cmd == "/draft" || cmd.starts_with("/draft ") => {
+                match s.switch_drafting(cmd["/draft".len()..].trim()) {
+                    Ok(state) => eprintln!("({state})"),
+                    Err(e) => eprintln!("error: {}", one_line(&e)),
+                }
                 prompt_mark();
                 continue;
             }

@@ -299,3 +299,27 @@ fn piped_chat_with_an_assistant_gives_the_same_replies() {
     assert!(e2.contains("drafts accepted"), "{e2}");
 }
 
+
+#[test]
+fn chat_switches_drafting_per_reply() {
+    let model = dir("text-tiny");
+    let assistant = dir("text-tiny-assistant");
+    let args = ["chat", "--model", model.as_str(), "--assistant", assistant.as_str(), "--max-new-tokens", "12"];
+    let input = "Hello\n/draft off\n/reset\nHello\n/draft 3\n/reset\nHello\n/draft\n/draft 0\n/draft on\n";
+    let (code, out, err) = tandem_with_input(&args, Some(input));
+    assert_eq!(code, 0, "{err}");
+    // The same question three times (drafting on, off, on with k = 3): the same reply each time.
+    let replies: Vec<&str> = out.lines().filter(|l| !l.is_empty()).collect();
+    assert_eq!(replies.len() % 3, 0, "{out:?}");
+    let n = replies.len() / 3;
+    assert!(replies[..n] == replies[n..2 * n] && replies[..n] == replies[2 * n..], "{out:?}");
+    let summaries: Vec<&str> = err.lines().filter(|l| l.starts_with('[')).collect();
+    assert_eq!(summaries.len(), 3, "{err}");
+    assert!(summaries[0].contains("drafts accepted") && !summaries[1].contains("drafts accepted") && summaries[2].contains("drafts accepted"), "{err}");
+    assert!(err.contains("(drafting off)") && err.matches("(drafting on, draft tokens 3)").count() == 3, "{err}");
+    assert!(err.contains("error: /draft takes off, on, auto or a number"), "{err}");
+    // Without an assistant there is nothing to switch.
+    let (code, _, err) = tandem_with_input(&["chat", "--model", model.as_str()], Some("/draft on\n"));
+    assert_eq!(code, 0);
+    assert!(err.contains("error: /draft needs an assistant"), "{err}");
+}

@@ -59,6 +59,14 @@ impl From<DraftLength> for DraftPolicy {
 }
 
 impl DraftPolicy {
+    /// `auto` or the fixed number of draft tokens.
+    pub fn describe(&self) -> String {
+        match self {
+            DraftPolicy::Fixed(k) => k.to_string(),
+            DraftPolicy::Auto(_) => "auto".into(),
+        }
+    }
+
     /// The most draft tokens this policy ever asks for.
     pub fn max_draft(&self) -> usize {
         match self {
