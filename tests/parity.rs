@@ -13,14 +13,16 @@ use tandem::model::{Keep, TargetModel};
 /// models round at every cast point where transformers does; they agree bit for bit where the summation
 /// order happens to match, but a SIMD summation order flips a rounding now and then, and these tiny random
 /// models amplify every flip. So the bound is relative to how far the same weights computed in f32 land
-/// from the reference: we must be several times closer than exact arithmetic is.
+/// from the reference: we must be at least twice as close as exact arithmetic is (a missed cast point
+/// lands about as far as exact arithmetic). Measured on t3-dense, the closest call: the scalar kernels
+/// come within 0.1x of it, AVX-512 within 0.3x, AVX2 (8 lanes, another summation order) within 0.4x.
 fn tolerance(g: &Golden) -> (f32, f32) {
     if g.is_f32() {
         return (2e-4, 2e-5);
     }
     let (_, exact) = g.tensor("logits_f32_compute");
     let (_, reference) = g.tensor("logits");
-    (0.3 * max_diff(exact, reference), 0.3 * mean_diff(exact, reference))
+    (0.5 * max_diff(exact, reference), 0.5 * mean_diff(exact, reference))
 }
 
 /// Below this top-2 margin of the reference's logits, greedy may legitimately pick the other token.
