@@ -40,6 +40,9 @@ impl Preset {
         if layers < period {
             bail!("--layers must be at least {period} for this preset (one full-attention layer)");
         }
+        if layers > shared_den {
+            bail!("--layers must be at most {shared_den} for this preset (the real model's depth)");
+        }
         let types: Vec<&str> =
             (0..layers).map(|i| if (i + 1) % period == 0 { "full_attention" } else { "sliding_attention" }).collect();
         // Largest share <= the real ratio that leaves a full layer before the first shared one.
@@ -114,13 +117,15 @@ pub fn random_assistant(cfg: &AssistantConfig, seed: u64) -> Result<Assistant> {
 /// A model of `cfg` with random bf16 weights (small uniform values, norms near 1).
 pub fn random_model(cfg: &TextConfig, seed: u64) -> Result<TargetModel> {
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-    let mut tensors = Vec::new();
+    // What to build (name, shape, scale, offset, seed): sized first, so that a model the machine cannot
+    // hold is an error rather than the out-of-memory killer.
+    let mut specs: Vec<(String, Vec<usize>, f32, f32, u64)> = Vec::new();
     let mut seed = seed;
     let mut mat = |name: String, shape: Vec<usize>, scale: f32| {
         seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        tensors.push(random_tensor(&name, shape, scale, 0.0, seed));
+        specs.push((name, shape, scale, 0.0, seed));
     };
-    let norm = |name: String, n: usize, s: u64| random_tensor(&name, vec![n], 0.1, 1.0, s);
+    let norm = |name: String, n: usize, s: u64| (name, vec![n], 0.1, 1.0, s);
     mat("embed_tokens.weight".into(), vec![v, h], 0.05);
     let mut norms = vec![norm("norm.weight".into(), h, 1)];
     if let Some(p) = cfg.ple {
@@ -157,7 +162,19 @@ pub fn random_model(cfg: &TextConfig, seed: u64) -> Result<TargetModel> {
             bail!("random MoE models are not needed by any preset");
         }
     }
-    tensors.extend(norms);
+    specs.extend(norms);
+    let bytes: usize = specs.iter().map(|s| 2 * s.1.iter().product::<usize>()).sum();
+    if let Some(avail) = crate::system::available_memory_bytes() {
+        if bytes as u64 > avail / 10 * 9 {
+            bail!(
+                "a random model of {} layers needs {:.1} GB of memory but {:.1} GB are available: use fewer --layers",
+                cfg.num_layers(),
+                bytes as f64 / 1e9,
+                avail as f64 / 1e9
+            );
+        }
+    }
+    let tensors = specs.into_iter().map(|(name, shape, scale, offset, seed)| random_tensor(&name, shape, scale, offset, seed)).collect();
     TargetModel::from_store(cfg.clone(), &WeightStore::from_tensors(tensors))
 }
 
@@ -370,6 +387,7 @@ mod tests {
         assert_eq!(shared(&Preset::E2b.config(35).unwrap()), 20);
         assert_eq!(shared(&Preset::E4b.config(42).unwrap()), 18);
         assert!(Preset::E2b.config(3).is_err());
+        assert!(Preset::E2b.config(36).is_err() && Preset::E4b.config(43).is_err());
         assert!(Preset::parse("e9b").is_err());
     }
 }

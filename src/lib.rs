@@ -5,5 +5,6 @@ pub mod config;
 pub mod decode;
 pub mod kernels;
 pub mod model;
+pub mod system;
 pub mod text;
 pub mod weights;

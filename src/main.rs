@@ -199,9 +199,13 @@ fn one_line(e: &anyhow::Error) -> String {
     format!("{e:#}").replace('\n', " ")
 }
 
+/// More worker threads than this is a typo, not a machine (each one reserves a stack).
+const MAX_THREADS: usize = 1024;
+
 fn run(cli: Cli) -> Result<()> {
     let threads = match cli.threads {
         Some(0) => bail!("--threads must be at least 1"),
+        Some(n) if n > MAX_THREADS => bail!("--threads must be at most {MAX_THREADS}, got {n}"),
         Some(n) => n,
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
@@ -295,7 +299,7 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
         }
     }
     let model = TargetModel::load(&model_dir)?;
-    if let Some(w) = memory_warning(model.working_set_bytes(), physical_memory_bytes()) {
+    if let Some(w) = memory_warning(model.working_set_bytes(), tandem::system::physical_memory_bytes()) {
         eprintln!("{w}");
     }
     let tokenizer = match need {
@@ -429,14 +433,6 @@ impl Session {
         }
         result
     }
-}
-
-/// Total physical memory (Linux: `MemTotal` of /proc/meminfo); None where it cannot be read.
-fn physical_memory_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
 }
 
 /// A warning when the weights decoding keeps reading cannot stay in memory next to everything else:
@@ -863,6 +859,5 @@ mod tests {
         assert!(memory_warning(5 * GB as usize, None).is_none());
         let w = memory_warning(62 * GB as usize, Some(24 * GB)).unwrap();
         assert!(w.starts_with("warning: decoding reads 62.0 GB of weights but this machine has 24.0 GB"), "{w}");
-        assert!(physical_memory_bytes().is_none_or(|m| m > GB));
     }
 }

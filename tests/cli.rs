@@ -148,6 +148,10 @@ fn bad_arguments_fail_cleanly() {
     for (args, needle) in cases {
         expect_error(&args, needle);
     }
+    let mut threads = vec!["--threads".to_string(), "99999".into()];
+    threads.extend(gen_args(&dir, &[]));
+    expect_error(&threads, "--threads must be at most 1024");
+    expect_error(&["bench".into(), "--layers".into(), "100".into()], "at most 35");
 }
 
 #[test]
