@@ -461,6 +461,14 @@ fn print_text(text: &str, tty: bool) {
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
+    if args.chat.is_none() {
+        if args.system.is_some() {
+            bail!("--system needs --chat: it is the system message of a chat turn");
+        }
+        if args.run.thinking {
+            bail!("--thinking needs --chat: it is an option of the chat template");
+        }
+    }
     let explicit_ids = match &args.prompt_ids {
         Some(s) => Some(parse_ids(s)?),
         None => None,

@@ -152,6 +152,8 @@ fn bad_arguments_fail_cleanly() {
     threads.extend(gen_args(&dir, &[]));
     expect_error(&threads, "--threads must be at most 1024");
     expect_error(&["bench".into(), "--layers".into(), "100".into()], "at most 35");
+    expect_error(&gen_args(&dir, &["--system", "hi"]), "--system needs --chat");
+    expect_error(&gen_args(&dir, &["--thinking"]), "--thinking needs --chat");
 }
 
 #[test]
