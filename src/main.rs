@@ -719,6 +719,16 @@ fn run_chat(args: ChatArgs) -> Result<()> {
         }
         history.push(json!({"role": "user", "content": input}));
         let prompt = match s.chat_prompt(&template, &json!(history), args.run.thinking) {
+            Ok(p) if p.len() >= s.opts.context_limit => {
+                history.pop();
+                eprintln!(
+                    "error: the conversation with this message is {} tokens and the context limit is {}: /reset starts over (or raise --context)",
+                    p.len(),
+                    s.opts.context_limit
+                );
+                prompt_mark();
+                continue;
+            }
             Ok(p) => p,
             Err(e) => {
                 history.pop();

@@ -323,3 +323,14 @@ fn chat_switches_drafting_per_reply() {
     assert_eq!(code, 0);
     assert!(err.contains("error: /draft needs an assistant"), "{err}");
 }
+
+#[test]
+fn chat_says_when_the_conversation_outgrows_the_context() {
+    let model = dir("text-tiny");
+    let args = ["chat", "--model", model.as_str(), "--max-new-tokens", "8", "--context", "40"];
+    let (code, _, err) = tandem_with_input(&args, Some("Hello\nHello\nHello\nHello\n/reset\nHello\n"));
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("context limit is 40: /reset starts over (or raise --context)"), "{err}");
+    // After /reset the conversation fits again.
+    assert!(err.trim_end().ends_with("length limit]") || err.trim_end().ends_with("end of turn]"), "{err}");
+}
