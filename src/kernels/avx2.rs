@@ -8,6 +8,7 @@ use super::x86::{drive, Prefetch};
 use super::tiling::{pack_panels, Plan, Tile};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 pub fn supported() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
@@ -464,47 +465,58 @@ unsafe fn read_xor_impl(buf: &[u8]) -> u64 {
     lanes.iter().fold(0, |s, l| s ^ l)
 }
 
-/// `out[i, :] = Σ_t p[i, t] · v[t, :]` (bf16 or f32 `v`): per output element a chain of FMAs in `t`
-/// order, so any blocking of `i` gives the same bits. Register tiles of up to 4 rows x 16 columns;
-/// columns past the last multiple of 16 go through the same FMA chain one at a time.
-pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, out: &mut [f32]) {
+/// `out[i, :] = Σ_t p[i, t] · v[t, cols]` (bf16 or f32 `v`; `out` is `[m, cols.len()]`): per output
+/// element a chain of FMAs in `t` order, so any blocking of rows or columns gives the same bits. Register
+/// tiles of up to 4 rows x 16 columns over 64 value rows at a time (see the AVX-512 version); columns
+/// past the last multiple of 16 go through the same FMA chain one at a time.
+pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, cols: Range<usize>, out: &mut [f32]) {
     assert!(supported() && matches!(v.dtype, DType::BF16 | DType::F32));
-    assert!(p.len() == m * v.rows && out.len() == m * v.cols);
-    let (n, d) = (v.rows, v.cols);
-    let full = d / 16 * 16;
-    let mut i0 = 0;
-    while i0 < m {
-        let mb = (m - i0).min(4);
-        let mut c = 0;
-        while c < full {
-            // SAFETY: features asserted; rows i0..i0+mb of p and out exist, columns c..c+16 are inside v.
-            unsafe {
-                match mb {
-                    1 => weighted_block::<1>(p, i0, c, v, out),
-                    2 => weighted_block::<2>(p, i0, c, v, out),
-                    3 => weighted_block::<3>(p, i0, c, v, out),
-                    _ => weighted_block::<4>(p, i0, c, v, out),
+    assert!(p.len() == m * v.rows && cols.end <= v.cols && out.len() == m * cols.len());
+    let (n, d, w) = (v.rows, v.cols, cols.len());
+    let full = cols.start + w / 16 * 16;
+    out.fill(0.0);
+    for t0 in (0..n).step_by(64) {
+        let keys = t0..n.min(t0 + 64);
+        let mut i0 = 0;
+        while i0 < m {
+            let mb = (m - i0).min(4);
+            for c in (cols.start..full).step_by(16) {
+                // SAFETY: features asserted; rows i0..i0+mb of p and out exist, columns c..c+16 are inside
+                // cols, keys are rows of v.
+                unsafe {
+                    match mb {
+                        1 => weighted_block::<1>(p, i0, c, keys.clone(), &cols, v, out),
+                        2 => weighted_block::<2>(p, i0, c, keys.clone(), &cols, v, out),
+                        3 => weighted_block::<3>(p, i0, c, keys.clone(), &cols, v, out),
+                        _ => weighted_block::<4>(p, i0, c, keys.clone(), &cols, v, out),
+                    }
                 }
             }
-            c += 16;
+            i0 += mb;
         }
-        i0 += mb;
     }
     for i in 0..m {
-        for j in full..d {
-            out[i * d + j] = (0..n).fold(0f32, |acc, t| p[i * n + t].mul_add(v.dtype.load(v.data, t * d + j), acc));
+        for j in full..cols.end {
+            out[i * w + j - cols.start] = (0..n).fold(0f32, |acc, t| p[i * n + t].mul_add(v.dtype.load(v.data, t * d + j), acc));
         }
     }
 }
 
+/// Continues the sums in `out` (zero before the first keys).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn weighted_block<const MB: usize>(p: &[f32], i0: usize, c: usize, v: MatRef, out: &mut [f32]) {
-    let (n, d) = (v.rows, v.cols);
+unsafe fn weighted_block<const MB: usize>(p: &[f32], i0: usize, c: usize, keys: Range<usize>, cols: &Range<usize>, v: MatRef, out: &mut [f32]) {
+    let (n, d, w) = (v.rows, v.cols, cols.len());
+    let po = out.as_mut_ptr().add(c - cols.start);
     let mut acc = [[_mm256_setzero_ps(); 2]; MB];
+    for (i, a) in acc.iter_mut().enumerate() {
+        for (k, ak) in a.iter_mut().enumerate() {
+            *ak = _mm256_loadu_ps(po.add((i0 + i) * w + 8 * k));
+        }
+    }
     let bf16 = v.dtype == DType::BF16;
     let base = v.data.as_ptr();
     let pp = p.as_ptr().add(i0 * n);
-    for t in 0..n {
+    for t in keys {
         let vk: [__m256; 2] = std::array::from_fn(|k| {
             let at = t * d + c + 8 * k;
             if bf16 {
@@ -515,16 +527,15 @@ unsafe fn weighted_block<const MB: usize>(p: &[f32], i0: usize, c: usize, v: Mat
             }
         });
         for (i, a) in acc.iter_mut().enumerate() {
-            let b = _mm256_set1_ps(*pp.add(i * n + t));
+            let x = _mm256_set1_ps(*pp.add(i * n + t));
             for k in 0..2 {
-                a[k] = _mm256_fmadd_ps(b, vk[k], a[k]);
+                a[k] = _mm256_fmadd_ps(x, vk[k], a[k]);
             }
         }
     }
-    let po = out.as_mut_ptr();
     for (i, a) in acc.iter().enumerate() {
         for (k, ak) in a.iter().enumerate() {
-            _mm256_storeu_ps(po.add((i0 + i) * d + c + 8 * k), *ak);
+            _mm256_storeu_ps(po.add((i0 + i) * w + 8 * k), *ak);
         }
     }
 }

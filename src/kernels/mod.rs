@@ -382,12 +382,43 @@ pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, out: &mut [f32]) {
 
 pub fn weighted_rows_with(isa: Isa, p: &[f32], m: usize, v: MatRef, out: &mut [f32]) {
     assert!(p.len() == m * v.rows && out.len() == m * v.cols, "weighted_rows shapes");
+    let (n, d) = (v.rows, v.cols);
+    // Large products are split by columns, whole 64-column blocks each: every thread reads its share of
+    // each value row, so the values are read once in all (a long context's V is tens of MB).
+    let threads = rayon::current_num_threads();
+    let parts = if threads > 1 && m * n * d >= WEIGHTED_PAR_MIN_MACS { threads.min(d / 64) } else { 1 };
+    if parts <= 1 {
+        return weighted_cols(isa, p, m, v, 0..d, out);
+    }
+    let chunk = d.div_ceil(parts).div_ceil(64) * 64;
+    let ranges: Vec<std::ops::Range<usize>> = (0..d).step_by(chunk).map(|c| c..d.min(c + chunk)).collect();
+    use rayon::prelude::*;
+    let results: Vec<Vec<f32>> = ranges
+        .par_iter()
+        .map(|r| {
+            let mut o = vec![0f32; m * r.len()];
+            weighted_cols(isa, p, m, v, r.clone(), &mut o);
+            o
+        })
+        .collect();
+    for (r, o) in ranges.iter().zip(&results) {
+        for (i, row) in o.chunks_exact(r.len()).enumerate() {
+            out[i * d + r.start..i * d + r.end].copy_from_slice(row);
+        }
+    }
+}
+
+/// Multiply-adds below which [`weighted_rows`] stays on one thread.
+const WEIGHTED_PAR_MIN_MACS: usize = 4 << 20;
+
+/// [`weighted_rows`] for the columns `cols` only; `out` is `[m, cols.len()]`.
+fn weighted_cols(isa: Isa, p: &[f32], m: usize, v: MatRef, cols: std::ops::Range<usize>, out: &mut [f32]) {
     match (runnable(isa), v.dtype) {
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512 | Isa::Avx512Bf16, DType::BF16 | DType::F32) => avx512::weighted_rows(p, m, v, out),
+        (Isa::Avx512 | Isa::Avx512Bf16, DType::BF16 | DType::F32) => avx512::weighted_rows(p, m, v, cols, out),
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, DType::BF16 | DType::F32) => avx2::weighted_rows(p, m, v, out),
-        _ => scalar::weighted_rows(p, m, v, out),
+        (Isa::Avx2, DType::BF16 | DType::F32) => avx2::weighted_rows(p, m, v, cols, out),
+        _ => scalar::weighted_rows(p, m, v, cols, out),
     }
 }
 

@@ -1,5 +1,7 @@
 //! Portable reference kernels. Simple loops, f32 accumulation; the SIMD kernels must agree with these.
 
+use std::ops::Range;
+
 use super::MatRef;
 use super::DType;
 
@@ -81,16 +83,16 @@ pub fn softcap(x: &mut [f32], cap: f32, dt: DType) {
     }
 }
 
-/// `out[i, :] = Σ_t p[i, t] · v[t, :]`, terms added in `t` order.
-pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, out: &mut [f32]) {
-    let (n, d) = (v.rows, v.cols);
+/// `out[i, :] = Σ_t p[i, t] · v[t, cols]`, terms added in `t` order; `out` is `[m, cols.len()]`.
+pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, cols: Range<usize>, out: &mut [f32]) {
+    let (n, d, w) = (v.rows, v.cols, cols.len());
     out.fill(0.0);
     let mut row = vec![0f32; d];
     for t in 0..n {
         v.row_f32(t, &mut row);
         for i in 0..m {
             let a = p[i * n + t];
-            for (o, &x) in out[i * d..(i + 1) * d].iter_mut().zip(&row) {
+            for (o, &x) in out[i * w..(i + 1) * w].iter_mut().zip(&row[cols.clone()]) {
                 *o += a * x;
             }
         }

@@ -376,7 +376,7 @@ fn weighted_rows_match_scalar_and_do_not_depend_on_the_batch() {
                     let p = rng.vec(m * n, 1.0);
                     let (mut got, mut want) = (vec![f32::NAN; m * d], vec![0f32; m * d]);
                     weighted_rows_with(isa, &p, m, v.mat(), &mut got);
-                    scalar::weighted_rows(&p, m, v.mat(), &mut want);
+                    scalar::weighted_rows(&p, m, v.mat(), 0..d, &mut want);
                     for i in 0..m {
                         let mut row = vec![0f32; d];
                         for j in 0..d {
@@ -414,6 +414,29 @@ fn exp_shifted_matches_scalar() {
             if n > 3 {
                 assert_eq!(got[1], 0.0, "{isa}: exp(-inf)");
             }
+        }
+    }
+}
+
+/// Large products split their columns across threads; every element keeps its own FMA chain, so the
+/// split and the pool size change no bit.
+#[test]
+fn weighted_rows_are_bit_exact_across_threads() {
+    let mut rng = Rng(14);
+    let pool1 = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let pool3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    for isa in Isa::available() {
+        for (dtype, n, d) in [(DType::BF16, 2100, 512), (DType::F32, 1500, 704)] {
+            let v = Weights::random(&mut rng, dtype, n, d);
+            let m = 5;
+            let p = rng.vec(m * n, 1.0);
+            let run = |pool: &rayon::ThreadPool| {
+                let mut out = vec![f32::NAN; m * d];
+                pool.install(|| weighted_rows_with(isa, &p, m, v.mat(), &mut out));
+                out
+            };
+            let (one, three) = (run(&pool1), run(&pool3));
+            assert!(one.iter().zip(&three).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa} {dtype:?} n={n} d={d}");
         }
     }
 }

@@ -63,6 +63,10 @@ pub fn gelu_mlp(x: &[f32], rows: usize, gate: MatRef, up: MatRef, down: MatRef, 
     out
 }
 
+/// Keys x head_dim from which one KV head's keys count as long: 16 MiB of bf16 keys (16K at head_dim 512),
+/// past what the last-level cache holds twice (below it, splitting heads is faster).
+const LONG_KEYS: usize = 1 << 23;
+
 /// Query rows whose keys and values are read together (a verify forward is one block; a prefill chunk
 /// is split so that the score matrix stays small).
 const ROW_BLOCK: usize = 17;
@@ -82,9 +86,13 @@ pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usi
     let group = hq / kv.kv_heads;
     let blocks = rows.div_ceil(ROW_BLOCK).max(1);
     let block_rows = rows.div_ceil(blocks);
+    // Split a KV head's query heads across threads only while its keys are short: the kernels split
+    // long ones themselves (the matmul by keys, weighted_rows by columns), which reads K and V once
+    // instead of once per thread.
     let threads = rayon::current_num_threads();
     let mut sub = group;
-    while blocks * (hq / sub) < threads && sub.is_multiple_of(2) {
+    let long = keys(rows.saturating_sub(1)).len() * d >= LONG_KEYS;
+    while !long && blocks * (hq / sub) < threads && sub.is_multiple_of(2) {
         sub /= 2;
     }
     let tasks: Vec<(usize, usize)> = (0..blocks).flat_map(|b| (0..hq / sub).map(move |hs| (b * block_rows, hs * sub))).collect();
