@@ -80,7 +80,8 @@ const ROW_BLOCK: usize = 17;
 /// block, by the same register-tiled kernels as the weights. A row's scores past its own key range are
 /// computed and then zeroed, which adds exact zeros; so, as every kernel here gives each (row, head) the
 /// same bits whatever it is batched with, the output does not depend on `rows` or the thread count.
-/// Heads are split across threads only when there are fewer tasks than threads.
+/// A KV head's query heads are split across threads only when there are fewer tasks than threads and
+/// its keys are short (`LONG_KEYS`).
 pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usize) -> Range<usize> + Sync, dt: DType, out: &mut [f32]) {
     let d = kv.head_dim;
     let group = hq / kv.kv_heads;
