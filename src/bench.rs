@@ -29,9 +29,9 @@ impl Preset {
         }
     }
 
-    /// The real checkpoint's text config (spec §1.1), cut to `layers` layers. The share of KV-sharing
-    /// layers follows the real model (E2B 20/35, E4B 18/42), kept valid: a store layer of each type must
-    /// precede the shared ones.
+    /// The real checkpoint's text config (docs/model.md, "Published sizes"), cut to `layers` layers. The
+    /// share of KV-sharing layers follows the real model (E2B 20/35, E4B 18/42), kept valid: a store layer
+    /// of each type must precede the shared ones.
     pub fn config(self, layers: usize) -> Result<TextConfig> {
         let (h, inter, kv, period, shared_num, shared_den, double) = match self {
             Preset::E2b => (1536, 6144, 1, 5, 20, 35, true),
@@ -61,7 +61,8 @@ impl Preset {
         Ok(parse_model_config(&j)?.text)
     }
 
-    /// The assistant published for this size (spec §1.1): 4 layers [S,S,S,F], centroid head.
+    /// The assistant published for this size (docs/drafter.md, "Published drafters"): 4 layers
+    /// [S,S,S,F], centroid head.
     pub fn assistant_config(self, target: &TextConfig) -> Result<AssistantConfig> {
         let (s, f) = (target.geometry(LayerType::Sliding), target.geometry(LayerType::Full));
         let (Some((ds, kvs)), Some((df, kvf))) = (s, f) else { bail!("the target needs both layer types") };

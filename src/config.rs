@@ -22,7 +22,7 @@ impl LayerType {
     }
 }
 
-/// How a layer gets its keys and values (spec §3.8).
+/// How a layer gets its keys and values (docs/model.md, "KV sharing").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvMode {
     /// Projects and caches its own K/V.
@@ -204,7 +204,7 @@ pub fn parse_model_config(json: &Value) -> Result<ModelConfig> {
     }
 }
 
-/// Parse a `gemma4_text` / `gemma4_unified_text` config object (spec §2.1).
+/// Parse a `gemma4_text` / `gemma4_unified_text` config object (docs/model.md, "Configuration").
 pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) -> Result<TextConfig> {
     let unified = model_type == "gemma4_unified_text";
     let f = Fields { obj, ctx };
@@ -329,7 +329,8 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
         Some(v) => bail!("field `{ctx}per_layer_config` must be an object, got {v}"),
     }
 
-    // KV sharing (spec §3.8, the intended semantics rather than transformers 5.23.0's buggy property).
+    // KV sharing (docs/model.md, "KV sharing": the intended semantics rather than transformers 5.23.0's
+    // buggy property).
     let num_shared = f.usize_or("num_kv_shared_layers", 0)?;
     if num_shared > num_layers {
         bail!("field `{ctx}num_kv_shared_layers` is {num_shared} but the model has only {num_layers} layers");
@@ -646,7 +647,7 @@ mod tests {
         assert_eq!(t.layers[4].kind, LayerType::Sliding);
         assert_eq!(t.vocab_size, 262_144);
         assert_eq!(t.sliding_window, 512);
-        // No sharing: the last sliding and the last full layer still store (spec §3.8).
+        // No sharing: the last sliding and the last full layer still store (docs/model.md, "KV sharing").
         assert_eq!(t.store_layer(LayerType::Sliding), Some(4));
         assert_eq!(t.store_layer(LayerType::Full), Some(5));
         assert!(t.ple.is_some());
@@ -700,7 +701,7 @@ mod tests {
     }
 }
 
-/// The drafter's output head (spec §5.2).
+/// The drafter's output head (docs/drafter.md, "Heads").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DraftHead {
     /// `logits = hd · E_dᵀ` over the whole vocabulary.
@@ -709,7 +710,7 @@ pub enum DraftHead {
     Centroid { num_centroids: usize, top_k: usize },
 }
 
-/// A `gemma4_assistant` / `gemma4_unified_assistant` drafter config (spec §2.2).
+/// A `gemma4_assistant` / `gemma4_unified_assistant` drafter config (docs/drafter.md, "Configuration").
 #[derive(Clone, Debug, PartialEq)]
 pub struct AssistantConfig {
     pub model_type: String,
@@ -806,8 +807,8 @@ pub fn parse_assistant_config(json: &Value) -> Result<AssistantConfig> {
     })
 }
 
-/// Check that a drafter can run on a target (spec §1.1, §4): it reads the target's store-layer K/V and
-/// hidden states, so their geometry, vocabulary and RoPE must agree. Errors name both sides.
+/// Check that a drafter can run on a target (docs/drafter.md, "Pairing"): it reads the target's store-layer
+/// K/V and hidden states, so their geometry, vocabulary and RoPE must agree. Errors name both sides.
 pub fn validate_pair(target: &TextConfig, draft: &AssistantConfig) -> Result<()> {
     let d = &draft.text;
     if draft.backbone_hidden_size != target.hidden_size {

@@ -136,7 +136,7 @@ pub struct WeightStore {
     source: PathBuf,
 }
 
-/// Where the text model's weights live in the known checkpoint layouts (spec §3.10).
+/// Where the text model's weights live in the known checkpoint layouts (docs/model.md, "Checkpoint layouts").
 const TEXT_PREFIXES: [&str; 5] = ["model.language_model.", "model.", "language_model.model.", "language_model.", ""];
 
 impl WeightStore {

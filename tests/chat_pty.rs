@@ -23,11 +23,13 @@ impl Pty {
     /// `None` (after saying so) where the system has no pseudo-terminals to give.
     fn spawn(args: &[&str], env: &[(&str, &str)]) -> Option<Pty> {
         let (mut master, mut slave) = (0, 0);
+        // SAFETY: both out-pointers are valid c_ints; name, termios and winsize may be null.
         let rc = unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), std::ptr::null()) };
         if rc != 0 {
             eprintln!("skipped: openpty failed: {}", std::io::Error::last_os_error());
             return None;
         }
+        // SAFETY: openpty succeeded, so both are open descriptors that nothing else owns.
         let master = unsafe { OwnedFd::from_raw_fd(master) };
         let slave = unsafe { OwnedFd::from_raw_fd(slave) };
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
@@ -37,6 +39,8 @@ impl Pty {
             .stdin(Stdio::from(slave.try_clone().unwrap()))
             .stdout(Stdio::from(slave.try_clone().unwrap()))
             .stderr(Stdio::from(slave.try_clone().unwrap()));
+        // SAFETY: the hook runs in the forked child before exec and calls only async-signal-safe
+        // functions (setsid, ioctl); it allocates nothing and touches no locks.
         unsafe {
             cmd.pre_exec(|| {
                 // A session of its own with the pty as controlling terminal, so that ^C becomes SIGINT.
@@ -55,11 +59,13 @@ impl Pty {
     /// Read whatever arrives within `wait`; false at end of output.
     fn read_some(&mut self, wait: Duration) -> bool {
         let mut pfd = libc::pollfd { fd: self.master.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: `pfd` is one valid pollfd for the duration of the call.
         let n = unsafe { libc::poll(&mut pfd, 1, wait.as_millis() as libc::c_int) };
         if n <= 0 {
             return true;
         }
         let mut buf = [0u8; 4096];
+        // SAFETY: `buf` is writable for `buf.len()` bytes; the descriptor is owned by `self.master`.
         let got = unsafe { libc::read(self.master.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
         if got <= 0 {
             return false; // EIO once the child has closed the terminal
@@ -100,6 +106,7 @@ impl Pty {
     }
 
     fn send(&mut self, s: &str) {
+        // SAFETY: `s` is readable for `s.len()` bytes; the descriptor is owned by `self.master`.
         let n = unsafe { libc::write(self.master.as_raw_fd(), s.as_ptr().cast(), s.len()) };
         assert_eq!(n, s.len() as isize, "write to the pty");
     }

@@ -1,4 +1,4 @@
-//! Speculative decoding with the assistant drafter (spec §6): draft k tokens, verify them in one multi-row
+//! Speculative decoding with the assistant drafter (docs/speculative.md): draft k tokens, verify them in one multi-row
 //! target forward, keep the longest accepted prefix plus one target token, roll the caches back.
 //!
 //! Lossless by construction. Greedy: a draft is kept only if it is the target's own argmax. Sampling:

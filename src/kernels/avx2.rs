@@ -279,6 +279,8 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     unsafe { dot_impl(a, b) }
 }
 
+/// # Safety
+/// The CPU must have AVX2 and FMA; `a` and `b` must have the same length.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_impl(a: &[f32], b: &[f32]) -> f32 {
     let (n, pa, pb) = (a.len(), a.as_ptr(), b.as_ptr());
@@ -307,6 +309,8 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     unsafe { axpy_impl(a, x, y) }
 }
 
+/// # Safety
+/// The CPU must have AVX2 and FMA; `x` and `y` must have the same length.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn axpy_impl(a: f32, x: &[f32], y: &mut [f32]) {
     let (n, px, py) = (x.len(), x.as_ptr(), y.as_mut_ptr());
@@ -326,6 +330,8 @@ pub fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
     unsafe { rms_norm_impl(x, w, eps, out) }
 }
 
+/// # Safety
+/// The CPU must have AVX2 and FMA; `out` (and `w`, when given) must have `x`'s length.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rms_norm_impl(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
     let n = x.len();
@@ -375,6 +381,8 @@ pub fn softmax(x: &mut [f32]) {
     unsafe { softmax_impl(x) }
 }
 
+/// # Safety
+/// The CPU must have AVX2 and FMA (every access is masked to `x`).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn softmax_impl(x: &mut [f32]) {
     let (n, p) = (x.len(), x.as_mut_ptr());
@@ -423,6 +431,9 @@ pub fn gelu_tanh(x: &mut [f32]) {
 }
 
 /// u / (1 + e^(-2y)) with y = √(2/π)·(u + 0.044715·u³); see `avx512::gelu_impl`.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA (every access is masked to `x`).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gelu_impl(x: &mut [f32]) {
     let (n, p) = (x.len(), x.as_mut_ptr());
@@ -446,6 +457,8 @@ pub fn read_xor(buf: &[u8]) -> u64 {
     unsafe { read_xor_impl(buf) }
 }
 
+/// # Safety
+/// The CPU must have AVX2 (only whole 32-byte blocks inside `buf` are read).
 #[target_feature(enable = "avx2")]
 unsafe fn read_xor_impl(buf: &[u8]) -> u64 {
     let mut acc = [_mm256_setzero_si256(); 8];
@@ -503,6 +516,11 @@ pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, cols: Range<usize>, out: &m
 }
 
 /// Continues the sums in `out` (zero before the first keys).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA. `p` is `[m, v.rows]` and `out` `[m, cols.len()]` with rows
+/// `i0..i0 + MB` inside `m`; columns `c..c + 16` lie inside `cols`, which lies inside `0..v.cols`;
+/// `keys` are rows of `v`, whose dtype is bf16 or f32 and whose `data` holds `v.rows * v.cols` elements.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn weighted_block<const MB: usize>(p: &[f32], i0: usize, c: usize, keys: Range<usize>, cols: &Range<usize>, v: MatRef, out: &mut [f32]) {
     let (n, d, w) = (v.rows, v.cols, cols.len());
@@ -548,6 +566,8 @@ pub fn exp_shifted(x: &[f32], m: f32, out: &mut [f32]) {
     super::scalar::exp_shifted(&x[full..], m, &mut out[full..]);
 }
 
+/// # Safety
+/// The CPU must have AVX2 and FMA; `x` and `out` must have the same length, a multiple of 8.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp_shifted_impl(x: &[f32], m: f32, out: &mut [f32]) {
     let mv = _mm256_set1_ps(m);

@@ -308,6 +308,8 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     unsafe { dot_impl(a, b) }
 }
 
+/// # Safety
+/// The CPU must have AVX-512 F and FMA; `a` and `b` must have the same length.
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn dot_impl(a: &[f32], b: &[f32]) -> f32 {
     let (n, pa, pb) = (a.len(), a.as_ptr(), b.as_ptr());
@@ -334,6 +336,8 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     unsafe { axpy_impl(a, x, y) }
 }
 
+/// # Safety
+/// The CPU must have AVX-512 F and FMA; `x` and `y` must have the same length.
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn axpy_impl(a: f32, x: &[f32], y: &mut [f32]) {
     let (n, px, py) = (x.len(), x.as_ptr(), y.as_mut_ptr());
@@ -353,6 +357,8 @@ pub fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
     unsafe { rms_norm_impl(x, w, eps, out) }
 }
 
+/// # Safety
+/// The CPU must have AVX-512 F and FMA; `out` (and `w`, when given) must have `x`'s length.
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn rms_norm_impl(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
     let n = x.len();
@@ -397,6 +403,8 @@ pub fn softmax(x: &mut [f32]) {
     unsafe { softmax_impl(x) }
 }
 
+/// # Safety
+/// The CPU must have AVX-512 F and FMA (every access is masked to `x`).
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn softmax_impl(x: &mut [f32]) {
     let (n, p) = (x.len(), x.as_mut_ptr());
@@ -439,6 +447,9 @@ pub fn gelu_tanh(x: &mut [f32]) {
 
 /// 0.5·u·(1 + tanh y) = u·sigmoid(2y) = u / (1 + e^(-2y)), y = √(2/π)·(u + 0.044715·u³). This form
 /// has no cancellation for u ≪ 0 and needs only `exp`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F and FMA (every access is masked to `x`).
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn gelu_impl(x: &mut [f32]) {
     let (n, p) = (x.len(), x.as_mut_ptr());
@@ -462,6 +473,8 @@ pub fn read_xor(buf: &[u8]) -> u64 {
     unsafe { read_xor_impl(buf) }
 }
 
+/// # Safety
+/// The CPU must have AVX-512 F (only whole 64-byte blocks inside `buf` are read).
 #[target_feature(enable = "avx512f")]
 unsafe fn read_xor_impl(buf: &[u8]) -> u64 {
     let mut acc = [_mm512_setzero_si512(); 8];
@@ -486,6 +499,8 @@ pub fn round_bf16_slice(x: &mut [f32]) {
     unsafe { round_bf16_slice_impl(x) }
 }
 
+/// # Safety
+/// The CPU must have AVX-512 F (every access is masked to `x`).
 #[target_feature(enable = "avx512f")]
 unsafe fn round_bf16_slice_impl(x: &mut [f32]) {
     let (n, p) = (x.len(), x.as_mut_ptr());
@@ -506,6 +521,8 @@ pub fn softcap(x: &mut [f32], cap: f32, bf16: bool) {
     unsafe { softcap_impl(x, cap, bf16) }
 }
 
+/// # Safety
+/// The CPU must have AVX-512 F and FMA (every access is masked to `x`).
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn softcap_impl(x: &mut [f32], cap: f32, bf16: bool) {
     let (n, p) = (x.len(), x.as_mut_ptr());
@@ -590,6 +607,12 @@ struct Block {
 }
 
 /// Continues the sums already in `out` unless the keys start at 0.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL and FMA. `p` is `[m, v.rows]` and `out` `[m, b.cols.len()]` with
+/// rows `b.i0..b.i0 + MB` inside `m`; `b.c` lies inside `b.cols`, which lies inside `0..v.cols` (columns
+/// past `b.cols.end` are masked off); `b.keys` are rows of `v`, whose dtype is bf16 or f32 and whose
+/// `data` holds `v.rows * v.cols` elements.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 unsafe fn weighted_block<const MB: usize>(p: &[f32], b: &Block, v: MatRef, out: &mut [f32]) {
     let (n, d, w) = (v.rows, v.cols, b.cols.len());
@@ -636,6 +659,8 @@ pub fn exp_shifted(x: &[f32], m: f32, out: &mut [f32]) {
     unsafe { exp_shifted_impl(x, m, out) }
 }
 
+/// # Safety
+/// The CPU must have AVX-512 F and FMA; `x` and `out` must have the same length.
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn exp_shifted_impl(x: &[f32], m: f32, out: &mut [f32]) {
     let (n, px, po) = (x.len(), x.as_ptr(), out.as_mut_ptr());

@@ -1,4 +1,4 @@
-//! The assistant (MTP) drafter (spec §5): a few query-only layers over the target's store-layer K/V,
+//! The assistant (MTP) drafter (docs/drafter.md): a few query-only layers over the target's store-layer K/V,
 //! fed `[target embedding of the last token ; target hidden]`, chained through `post_projection`.
 
 use std::path::Path;
@@ -181,7 +181,7 @@ impl Assistant {
         }
     }
 
-    /// One draft step at query position `p` (spec §5.1, clean semantics of §5.4): full layers see the donor
+    /// One draft step at query position `p` (docs/drafter.md, "Positions"): full layers see the donor
     /// keys `0..p`, sliding layers the last W+1 of them. `embedding` is the target's scaled embedding of the
     /// input token and `h` the previous target (or drafter) hidden state, both of size Hb.
     pub fn step(&self, embedding: &[f32], h: &[f32], sliding: &LayerKv, full: &LayerKv, p: usize) -> DraftStep {
@@ -207,7 +207,8 @@ impl Assistant {
             let (mut cos, mut sin) = (vec![0f32; d / 2], vec![0f32; d / 2]);
             rope.angles(p, dt, &mut cos, &mut sin);
             rope.apply(&mut q, &cos, &sin, dt);
-            // No causal mask: every donor key is in the past. Sliding layers keep W+1 of them (spec §5.3).
+            // No causal mask: every donor key is in the past. Sliding layers keep W+1 of them
+            // (docs/drafter.md, "Which target K/V it reads").
             let lo = match layer.kind {
                 LayerType::Sliding => p.saturating_sub(t.sliding_window + 1),
                 LayerType::Full => 0,

@@ -71,9 +71,9 @@ const LONG_KEYS: usize = 1 << 23;
 /// is split so that the score matrix stays small).
 const ROW_BLOCK: usize = 17;
 
-/// Attention of `rows` query rows (`q`: `[rows, hq, D]`) over a layer's K/V, scale 1.0 (spec §3.4): row `r`
-/// sees the absolute key positions `keys(r)`. Scores and probabilities are rounded like the reference's
-/// eager path (bf16 matmul outputs, f32 softmax cast back).
+/// Attention of `rows` query rows (`q`: `[rows, hq, D]`) over a layer's K/V, scale 1.0 (docs/model.md,
+/// "Attention"): row `r` sees the absolute key positions `keys(r)`. Scores and probabilities are rounded
+/// like transformers' eager path (bf16 matmul outputs, f32 softmax cast back).
 ///
 /// For each KV head, the queries of the heads that share it, over a block of rows, are one matmul
 /// against that head's keys and one `weighted_rows` over its values: each key and value is read once per

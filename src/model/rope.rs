@@ -1,4 +1,4 @@
-//! Rotary position embeddings, half-split ("NeoX") layout (spec §3.3).
+//! Rotary position embeddings, half-split ("NeoX") layout (docs/model.md, "RoPE").
 
 use crate::config::{RopeConfig, RopeKind};
 use crate::kernels::DType;

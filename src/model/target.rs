@@ -1,4 +1,4 @@
-//! The Gemma 4 text model forward pass (spec §3), over one or many new rows at once.
+//! The Gemma 4 text model forward pass (docs/model.md), over one or many new rows at once.
 //!
 //! Activations live in f32 buffers; at every point where the reference casts to the model dtype we round
 //! (`DType::round_slice`), so a bf16 checkpoint computes what transformers computes in bf16, up to
@@ -337,7 +337,7 @@ impl TargetModel {
         Ok(Forward { rows: kept, logits, hidden })
     }
 
-    /// Per-layer inputs `[n, L, P]` (spec §3.2), if the model has PLE.
+    /// Per-layer inputs `[n, L, P]` (docs/model.md, "Per-layer embeddings (PLE)"), if the model has PLE.
     fn ple_inputs(&self, tokens: &[u32], x0: &[f32]) -> Option<Vec<f32>> {
         let (ple, pc) = (self.ple.as_ref()?, self.cfg.ple?);
         let (dt, n, l_count, p) = (self.dtype, tokens.len(), self.cfg.num_layers(), pc.dim);
@@ -425,7 +425,7 @@ impl TargetModel {
         }
 
         let kv = cache.layer(lc.kv_source);
-        // Causal; sliding layers see W keys including their own position (spec §3.6).
+        // Causal; sliding layers see W keys including their own position (docs/model.md, "Masks and windows").
         let window = if lc.kind == LayerType::Sliding { cfg.sliding_window } else { usize::MAX };
         let keys = |r: usize| (pos + r + 1).saturating_sub(window)..pos + r + 1;
         let mut o = vec![0f32; rows * hq * d];
@@ -454,8 +454,8 @@ impl TargetModel {
         add_normed(h, &m, &layer.post_ff_norm, eps, dt);
     }
 
-    /// The MoE branch on the pre-FFN residual `r` (spec §3.5): route, run each chosen expert over the rows
-    /// that chose it (weights read once per expert).
+    /// The MoE branch on the pre-FFN residual `r` (docs/model.md, "Mixture of experts"): route, run each
+    /// chosen expert over the rows that chose it (weights read once per expert).
     fn experts(&self, moe: &Moe, mc: crate::config::MoeConfig, r: &[f32], rows: usize) -> Vec<f32> {
         let (h_dim, dt, eps) = (self.cfg.hidden_size, self.dtype, self.cfg.rms_norm_eps);
         let (e_count, ie) = (mc.num_experts, mc.intermediate_size);
@@ -531,7 +531,7 @@ impl TargetModel {
         out
     }
 
-    /// Per-layer input gate (spec §3.5, last block).
+    /// Per-layer input gate (docs/model.md, "Per-layer input gate").
     fn ple_block(&self, li: usize, lp: &LayerPle, p: usize, ple_in: &[f32], h: &mut [f32], rows: usize) {
         let (dt, l_count) = (self.dtype, self.cfg.num_layers());
         let mut g = vec![0f32; rows * p];
