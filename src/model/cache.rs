@@ -1,5 +1,6 @@
-//! Per-layer K/V caches (spec §3.7): full layers keep every position, sliding layers keep a window plus
-//! enough history to roll back a rejected speculative draft, reuse layers keep nothing.
+//! Per-layer K/V caches: full layers keep every position, sliding layers keep a window plus enough
+//! history to roll back a rejected speculative draft, reuse layers keep nothing (docs/speculative.md,
+//! "The K/V cache and rollback").
 
 use anyhow::{bail, Result};
 
@@ -14,9 +15,16 @@ pub const MAX_ROLLBACK: usize = 64;
 // Matrices over the cache are handed to the kernels as little-endian bytes.
 const _: () = assert!(cfg!(target_endian = "little"), "the K/V cache is read as little-endian bytes");
 
-/// The bytes of a slice of plain numbers.
-fn as_bytes<T: Copy>(x: &[T]) -> &[u8] {
-    // SAFETY: f32 and u16 have no padding and any byte pattern may be read; u8 has alignment 1.
+/// Element types whose memory may be viewed as bytes: primitive numbers without padding, every byte of
+/// which is initialised. Private to this module, so f32 and u16 (bf16 bits) are the only implementors.
+trait PlainData: Copy {}
+impl PlainData for f32 {}
+impl PlainData for u16 {}
+
+/// The bytes of a slice of plain numbers (f32 values or bf16 bit patterns), in memory order.
+fn as_bytes<T: PlainData>(x: &[T]) -> &[u8] {
+    // SAFETY: `T` is f32 or u16 (the private `PlainData`): no padding, every byte initialised, so all
+    // `size_of_val(x)` bytes behind the pointer are readable as u8 (alignment 1) for the lifetime of `x`.
     unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
 }
 
@@ -61,20 +69,6 @@ impl KvData {
         match self {
             KvData::F32(v) => drop(v.drain(..n)),
             KvData::Bf16(v) => drop(v.drain(..n)),
-        }
-    }
-
-    /// Elements `at..at+n`, widened into `buf` when stored as bf16.
-    #[inline]
-    fn slice<'a>(&'a self, at: usize, n: usize, buf: &'a mut [f32]) -> &'a [f32] {
-        match self {
-            KvData::F32(v) => &v[at..at + n],
-            KvData::Bf16(v) => {
-                for (o, &b) in buf[..n].iter_mut().zip(&v[at..at + n]) {
-                    *o = f32::from_bits((b as u32) << 16);
-                }
-                &buf[..n]
-            }
         }
     }
 
@@ -137,17 +131,6 @@ impl LayerKv {
     /// One past the last absolute position held.
     pub fn end(&self) -> usize {
         self.start + self.entries()
-    }
-
-    /// Key of absolute position `pos`, KV head `g` (`buf`: scratch of at least `head_dim`).
-    #[inline]
-    pub fn key<'a>(&'a self, pos: usize, g: usize, buf: &'a mut [f32]) -> &'a [f32] {
-        self.k[g].slice((pos - self.start) * self.head_dim, self.head_dim, buf)
-    }
-
-    #[inline]
-    pub fn value<'a>(&'a self, pos: usize, g: usize, buf: &'a mut [f32]) -> &'a [f32] {
-        self.v[g].slice((pos - self.start) * self.head_dim, self.head_dim, buf)
     }
 
     /// Keys of KV head `g` at the absolute positions `range`, as a `[range.len(), head_dim]` matrix.
