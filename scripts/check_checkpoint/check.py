@@ -26,7 +26,7 @@ with ``huggingface_hub``; gated repos need ``HF_TOKEN``). Checks, per prompt:
 Without a tokenizer the prompts are random token ids. A JSON report goes to stdout, progress to
 stderr; the exit status is 0 when every check passes and 1 otherwise.
 
-transformers 5.23.0 mis-derives ``kv_sharing_modes`` in some configurations (spec §1.4); the fix
+transformers 5.23.0 mis-derives ``kv_sharing_modes`` in some configurations (docs/model.md, "KV sharing"); the fix
 that ``scripts/fixtures/make_fixtures.py`` applies is applied here too.
 """
 

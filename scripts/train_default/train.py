@@ -55,7 +55,7 @@ Assistant (drafter) and its training objective
 ----------------------------------------------
 A ``gemma4_assistant`` with 4 query-only layers ``[S,S,S,F]`` of width 128 that read the target's
 store-layer K/V, trained by self-distillation to predict the target's own greedy continuation
-exactly the way tandem runs it (spec ``gemma4-mtp.md`` §5, clean semantics of §5.4, §6):
+exactly the way tandem runs it (docs/drafter.md and docs/speculative.md):
 
 * data: the frozen bf16 target continues 64-token training windows greedily for 192 tokens, so the
   contexts look like what the drafter sees while decoding; one target forward over each
@@ -123,7 +123,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "models" / "default"
 WORK = REPO / "target" / "train_default"  # scratch (git-ignored): f32 checkpoints, caches
 
-# The transformers 5.23.0 `kv_sharing_modes` fix lives in the fixture script (spec §1.4, §8.4).
+# The transformers 5.23.0 `kv_sharing_modes` fix lives in the fixture script (docs/model.md, "KV sharing").
 sys.path.insert(0, str(REPO / "scripts" / "fixtures"))
 from make_fixtures import patch_kv_sharing_modes  # noqa: E402
 
@@ -753,7 +753,7 @@ def target_pass(target, x: torch.Tensor):
 
 def drafter_masks(T: int, W: int, batch: int):
     """Rows are query positions p = 1..T-1. Full layers see keys 0..p-1, sliding layers the last
-    W+1 of them (p-1-W..p-1): spec §5.3/§5.4 clean semantics."""
+    W+1 of them (p-1-W..p-1): docs/drafter.md, "Which target K/V it reads" and "Positions"."""
     p = torch.arange(1, T)[:, None]
     t = torch.arange(T)[None, :]
     full = t < p
