@@ -80,7 +80,6 @@ pub struct MoeConfig {
 /// The text model's configuration, resolved per layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TextConfig {
-    pub model_type: String,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub num_heads: usize,
@@ -94,8 +93,6 @@ pub struct TextConfig {
     pub ple: Option<PleConfig>,
     pub moe: Option<MoeConfig>,
     pub layers: Vec<LayerConfig>,
-    pub pad_token_id: Option<u32>,
-    pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
 
@@ -431,7 +428,6 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
     }
 
     Ok(TextConfig {
-        model_type: model_type.to_string(),
         vocab_size,
         hidden_size,
         num_heads,
@@ -445,8 +441,6 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
         ple,
         moe,
         layers,
-        pad_token_id,
-        bos_token_id,
         eos_token_ids,
     })
 }
@@ -713,7 +707,6 @@ pub enum DraftHead {
 /// A `gemma4_assistant` / `gemma4_unified_assistant` drafter config (docs/drafter.md, "Configuration").
 #[derive(Clone, Debug, PartialEq)]
 pub struct AssistantConfig {
-    pub model_type: String,
     /// The drafter's own transformer (Q-only layers; `kv_mode` is meaningless here).
     pub text: TextConfig,
     /// Hb: the target's hidden size, which the drafter consumes and produces.
@@ -799,7 +792,6 @@ pub fn parse_assistant_config(json: &Value) -> Result<AssistantConfig> {
         DraftHead::Tied
     };
     Ok(AssistantConfig {
-        model_type: model_type.to_string(),
         text: text_cfg,
         backbone_hidden_size,
         head,

@@ -166,21 +166,6 @@ impl Assistant {
         })
     }
 
-    /// Bytes of weights one draft step reads (the centroid head reads only the candidates' rows).
-    pub fn bytes_per_step(&self) -> usize {
-        let mut n = self.pre_proj.bytes().len() + self.post_proj.bytes().len();
-        for l in &self.layers {
-            n += l.q.bytes().len() + l.o.bytes().len() + l.gate.bytes().len() + l.up.bytes().len() + l.down.bytes().len();
-        }
-        n + match &self.centroids {
-            Some(c) => {
-                let per_cluster = self.cfg.text.vocab_size / c.weight.shape[0];
-                c.weight.bytes().len() + c.top_k * per_cluster * self.embed.bytes().len() / self.cfg.text.vocab_size
-            }
-            None => self.embed.bytes().len(),
-        }
-    }
-
     /// One draft step at query position `p` (docs/drafter.md, "Positions"): full layers see the donor
     /// keys `0..p`, sliding layers the last W+1 of them. `embedding` is the target's scaled embedding of the
     /// input token and `h` the previous target (or drafter) hidden state, both of size Hb.

@@ -298,11 +298,6 @@ impl TextTokenizer {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
-
-    /// Decode for the streaming detokenizer.
-    pub fn as_decoder(&self) -> &dyn Decode {
-        self
-    }
 }
 
 /// Anything that turns ids into text; the streaming detokenizer works over this.
