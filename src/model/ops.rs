@@ -1,4 +1,5 @@
-//! Building blocks shared by the target and the drafter, with the reference's rounding points.
+//! Building blocks shared by the target and the drafter, rounding where transformers does (docs/numerics.md,
+//! "Rounding points").
 
 use std::ops::Range;
 
@@ -42,7 +43,7 @@ pub fn add_normed(h: &mut [f32], y: &[f32], w: &[f32], eps: f32, dt: DType) {
     }
 }
 
-/// `down(gelu(gate(x)) ⊙ up(x))` with the reference's roundings.
+/// `down(gelu(gate(x)) ⊙ up(x))` with transformers' roundings (docs/model.md, "MLP").
 pub fn gelu_mlp(x: &[f32], rows: usize, gate: MatRef, up: MatRef, down: MatRef, dt: DType) -> Vec<f32> {
     let inter = gate.rows;
     let mut g = vec![0f32; rows * inter];

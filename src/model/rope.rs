@@ -20,7 +20,7 @@ impl Rope {
                 (((partial_rotary_factor as f64) * head_dim as f64 / 2.0).floor() as usize).min(half)
             }
         };
-        // f32 like the reference: 1 / (theta ^ (2j / D)), then divided by the scaling factor.
+        // f32 like transformers: 1 / (theta ^ (2j / D)), then divided by the scaling factor.
         let inv_freq = (0..half)
             .map(|j| {
                 if j < rotated {
@@ -44,7 +44,7 @@ impl Rope {
     }
 
     /// Rotate every head of `x` (`[heads, D]`) in place: `x·cos + rotate_half(x)·sin`, each product and
-    /// the sum rounded to the model dtype as the reference does in bf16.
+    /// the sum rounded to the model dtype as transformers does in bf16.
     pub fn apply(&self, x: &mut [f32], cos: &[f32], sin: &[f32], dtype: DType) {
         let d = self.head_dim;
         let half = d / 2;
