@@ -134,7 +134,7 @@ impl TextConfig {
 
 /// Parse a JSON file, with errors that name it.
 pub fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = crate::files::read_text(path)?;
     serde_json::from_str(&text).map_err(|e| anyhow!("{}: malformed JSON: {e}", path.display()))
 }
 
@@ -143,7 +143,7 @@ pub fn load_model_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
     let mut cfg = parse_model_config(&read_json(&path)?).with_context(|| format!("{}", path.display()))?;
     let gen_path = dir.join("generation_config.json");
-    if gen_path.exists() {
+    if crate::files::exists(&gen_path) {
         apply_generation_config(&mut cfg.text, &read_json(&gen_path)?).with_context(|| format!("{}", gen_path.display()))?;
     }
     Ok(cfg)
@@ -210,13 +210,15 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
     let hidden_size = f.positive("hidden_size", 2304)?;
     let intermediate_size = f.positive("intermediate_size", 9216)?;
     let num_layers = f.positive("num_hidden_layers", 30)?;
+    if num_layers > MAX_LAYERS {
+        bail!("field `{ctx}num_hidden_layers` is {num_layers}; tandem runs models of at most {MAX_LAYERS} layers (Gemma 4 has up to 60)");
+    }
     let num_heads = f.positive("num_attention_heads", 8)?;
     let num_kv_heads = f.positive("num_key_value_heads", 4)?;
     let head_dim = f.positive("head_dim", 256)?;
     let rms_norm_eps = f.float("rms_norm_eps", 1e-6)?;
-    #[allow(clippy::neg_cmp_op_on_partial_ord)] // also rejects NaN
-    if !(rms_norm_eps > 0.0) {
-        bail!("field `{ctx}rms_norm_eps` must be positive, got {rms_norm_eps}");
+    if !(rms_norm_eps > 0.0 && is_normal_f32(rms_norm_eps)) {
+        bail!("field `{ctx}rms_norm_eps` must be a positive number within f32's normal range, got {rms_norm_eps}");
     }
     let sliding_window = f.positive("sliding_window", if unified { 1024 } else { 512 })?;
     let max_position_embeddings = f.positive("max_position_embeddings", if unified { 262_144 } else { 131_072 })?;
@@ -242,8 +244,10 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
         None | Some(Value::Null) => None,
         Some(v) => {
             let c = v.as_f64().ok_or_else(|| anyhow!("field `{ctx}final_logit_softcapping` must be a number or null"))?;
-            if !(c > 0.0 && c.is_finite()) {
-                bail!("field `{ctx}final_logit_softcapping` must be positive, got {c}");
+            // The cap divides and multiplies the logits in f32: it must be a normal f32 value (1e308 is
+            // infinite there, 1e-46 zero, and either turns every logit into NaN).
+            if !(c > 0.0 && is_normal_f32(c)) {
+                bail!("field `{ctx}final_logit_softcapping` must be a positive number within f32's normal range, got {c}");
             }
             Some(c as f32)
         }
@@ -251,6 +255,7 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
     let tie_word_embeddings = f.boolean("tie_word_embeddings", true)?;
 
     // Layer types: default pattern 5 sliding + 1 full, last layer forced to full (as transformers does).
+    let defaulted_types = matches!(obj.get("layer_types"), None | Some(Value::Null));
     let mut layer_types = match obj.get("layer_types") {
         None | Some(Value::Null) => (0..num_layers)
             .map(|i| if (i + 1) % 6 != 0 { LayerType::Sliding } else { LayerType::Full })
@@ -358,8 +363,15 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
         let kv_source = if modes[i] == KvMode::Reuse {
             let store = if kind == LayerType::Sliding { store_s } else { store_f };
             store.ok_or_else(|| {
+                let why = if defaulted_types {
+                    format!(
+                        " (`{ctx}layer_types` is missing or null, so the default pattern applies: every 6th layer and the last are full_attention)"
+                    )
+                } else {
+                    String::new()
+                };
                 anyhow!(
-                    "field `{ctx}num_kv_shared_layers` ({num_shared}) leaves no earlier {} layer to share K/V from (layer {i})",
+                    "field `{ctx}num_kv_shared_layers` ({num_shared}) leaves no earlier {} layer to share K/V from (layer {i}){why}",
                     kind.name()
                 )
             })?
@@ -427,7 +439,7 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
         check_token_id("eos_token_id", id, vocab_size)?;
     }
 
-    Ok(TextConfig {
+    let cfg = TextConfig {
         vocab_size,
         hidden_size,
         num_heads,
@@ -442,7 +454,56 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
         moe,
         layers,
         eos_token_ids,
-    })
+    };
+    check_tensor_sizes(&cfg, ctx)?;
+    Ok(cfg)
+}
+
+/// Most decoder layers a config may declare (checked before anything is sized by it; the weights are
+/// then checked to hold exactly that many).
+pub const MAX_LAYERS: usize = 4096;
+
+/// Largest element count of one tensor a config may imply: anything larger cannot be a real checkpoint
+/// on any machine, and sizes computed from it could overflow.
+const MAX_TENSOR_ELEMENTS: usize = 1 << 44;
+
+/// Whether `x` survives the conversion to f32 as a normal (finite, non-zero, non-subnormal) number.
+fn is_normal_f32(x: f64) -> bool {
+    (x as f32).is_normal()
+}
+
+/// The product of `dims` (named for the error) if it is a plausible tensor size.
+fn tensor_elements(dims: &[(&str, usize)], ctx: &str) -> Result<usize> {
+    let n = dims.iter().try_fold(1usize, |a, &(_, d)| a.checked_mul(d));
+    match n {
+        Some(n) if n <= MAX_TENSOR_ELEMENTS => Ok(n),
+        _ => {
+            let names: Vec<String> = dims.iter().map(|(name, d)| format!("{ctx}{name} = {d}")).collect();
+            bail!("fields {} imply a tensor of more than {MAX_TENSOR_ELEMENTS} elements; not a real checkpoint", names.join(" x "))
+        }
+    }
+}
+
+/// Check that every weight shape the config implies can be computed without overflow, so that shape
+/// checks against the checkpoint compare real numbers (e.g. `2 x moe_intermediate_size` cannot wrap).
+fn check_tensor_sizes(c: &TextConfig, ctx: &str) -> Result<()> {
+    let h = ("hidden_size", c.hidden_size);
+    tensor_elements(&[("vocab_size", c.vocab_size), h], ctx)?;
+    for l in &c.layers {
+        let width = if l.kind == LayerType::Full { "global_head_dim" } else { "head_dim" };
+        tensor_elements(&[("num_attention_heads", c.num_heads), (width, l.head_dim), h], ctx)?;
+        tensor_elements(&[("num_key_value_heads", l.kv_heads), (width, l.head_dim), h], ctx)?;
+        tensor_elements(&[("2", 2), ("intermediate_size", l.intermediate_size), h], ctx)?;
+    }
+    if let Some(m) = c.moe {
+        tensor_elements(&[("num_experts", m.num_experts), ("2", 2), ("moe_intermediate_size", m.intermediate_size), h], ctx)?;
+    }
+    if let Some(p) = c.ple {
+        let width = tensor_elements(&[("num_hidden_layers", c.layers.len()), ("hidden_size_per_layer_input", p.dim)], ctx)?;
+        tensor_elements(&[("vocab_size_per_layer_input", p.vocab_size), ("num_hidden_layers x hidden_size_per_layer_input", width)], ctx)?;
+        tensor_elements(&[("num_hidden_layers x hidden_size_per_layer_input", width), h], ctx)?;
+    }
+    Ok(())
 }
 
 fn check_token_id(name: &str, id: u32, vocab: usize) -> Result<()> {
@@ -474,11 +535,11 @@ fn parse_rope(obj: &Map<String, Value>, ctx: &str) -> Result<(RopeConfig, RopeCo
             Some(_) => pf.float("rope_theta", 0.0)?,
             None => bail!("field `{pctx}rope_theta` is missing"),
         };
-        if !(theta > 1.0 && theta.is_finite()) {
+        if !(theta > 1.0 && is_normal_f32(theta)) {
             bail!("field `{pctx}rope_theta` must be greater than 1, got {theta}");
         }
         let factor = pf.float("factor", 1.0)?;
-        if !(factor > 0.0 && factor.is_finite()) {
+        if !(factor > 0.0 && is_normal_f32(factor)) {
             bail!("field `{pctx}factor` must be positive, got {factor}");
         }
         let kind = match rope_type.as_str() {
@@ -720,7 +781,7 @@ pub fn load_assistant_config(dir: &Path) -> Result<AssistantConfig> {
     let path = dir.join("config.json");
     let mut cfg = parse_assistant_config(&read_json(&path)?).with_context(|| format!("{}", path.display()))?;
     let gen_path = dir.join("generation_config.json");
-    if gen_path.exists() {
+    if crate::files::exists(&gen_path) {
         let json = read_json(&gen_path)?;
         let obj = json.as_object().ok_or_else(|| anyhow!("{}: expected a JSON object", gen_path.display()))?;
         let f = Fields { obj, ctx: "" };
@@ -775,6 +836,8 @@ pub fn parse_assistant_config(json: &Value) -> Result<AssistantConfig> {
 
     let f = Fields { obj, ctx: "" };
     let backbone_hidden_size = f.positive("backbone_hidden_size", hb_default)?;
+    // pre_projection is [hidden, 2 x backbone]; post_projection [backbone, hidden].
+    tensor_elements(&[("backbone_hidden_size", backbone_hidden_size), ("2", 2), ("text_config.hidden_size", text_cfg.hidden_size)], "")?;
     if !f.boolean("tie_word_embeddings", true)? {
         bail!("field `tie_word_embeddings` is false; every Gemma 4 drafter ties its head to model.embed_tokens");
     }
@@ -812,6 +875,15 @@ pub fn validate_pair(target: &TextConfig, draft: &AssistantConfig) -> Result<()>
     }
     if d.vocab_size != target.vocab_size {
         bail!("assistant vocabulary ({}) differs from the target's ({})", d.vocab_size, target.vocab_size);
+    }
+    // The drafter's sliding layers read the last W+1 keys of the target's sliding cache, which keeps the
+    // target's window (plus what a rollback needs): a wider drafter window would read keys that are gone.
+    if d.layers.iter().any(|l| l.kind == LayerType::Sliding) && d.sliding_window > target.sliding_window {
+        bail!(
+            "assistant sliding_window ({}) exceeds the target's ({}): its sliding layers would read keys the target does not keep",
+            d.sliding_window,
+            target.sliding_window
+        );
     }
     for kind in [LayerType::Sliding, LayerType::Full] {
         let Some((dd, dkv)) = d.geometry(kind) else { continue };

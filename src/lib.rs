@@ -3,8 +3,10 @@
 pub mod bench;
 pub mod config;
 pub mod decode;
+pub mod files;
 pub mod kernels;
 pub mod model;
+pub mod params;
 pub mod system;
 pub mod text;
 pub mod weights;

@@ -4,7 +4,6 @@
 //! `language_model.model.`, ...), detected from where `embed_tokens.weight` lives.
 
 use std::collections::{BTreeSet, HashMap};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -145,8 +144,8 @@ impl WeightStore {
         let index = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let mut tensors = HashMap::new();
-        if index.exists() {
-            let text = std::fs::read_to_string(&index).with_context(|| format!("cannot read {}", index.display()))?;
+        if crate::files::exists(&index) {
+            let text = crate::files::read_text(&index)?;
             let json: Value =
                 serde_json::from_str(&text).map_err(|e| anyhow!("{}: malformed JSON: {e}", index.display()))?;
             let map = json
@@ -171,7 +170,7 @@ impl WeightStore {
                     bail!("{}: tensor `{name}` is listed in {} but missing from it", index.display(), file.as_str().unwrap_or("?"));
                 }
             }
-        } else if single.exists() {
+        } else if crate::files::exists(&single) {
             load_file(&single, &mut tensors)?;
         } else {
             bail!("{}: no model.safetensors or model.safetensors.index.json", dir.display());
@@ -195,6 +194,17 @@ impl WeightStore {
 
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// How many decoder layers the checkpoint holds under `layers_prefix` (full names, e.g.
+    /// `model.layers.`): one more than the highest `N` of any `{layers_prefix}N.` tensor, 0 if none.
+    pub fn count_layers(&self, layers_prefix: &str) -> usize {
+        self.tensors
+            .keys()
+            .filter_map(|k| k.strip_prefix(layers_prefix)?.split('.').next()?.parse::<usize>().ok())
+            .map(|i| i.saturating_add(1))
+            .max()
+            .unwrap_or(0)
     }
 
     /// A text-model tensor by its name below the prefix, if present.
@@ -234,29 +244,28 @@ fn check_shape(t: &Tensor, shape: &[usize], source: &Path) -> Result<()> {
 }
 
 fn load_file(path: &Path, out: &mut HashMap<String, Tensor>) -> Result<()> {
-    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let file = crate::files::open_regular(path)?;
     // SAFETY: the file is mapped read-only; tandem never writes it, and a model directory being
     // rewritten while it runs is outside what any loader can defend against.
     let mmap = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
-    let (header_len, meta) = SafeTensors::read_metadata(&mmap[..]).map_err(|e| match e {
-        SafeTensorError::MetadataIncompleteBuffer => {
-            anyhow!("{}: truncated: the header promises more data than the file holds", path.display())
-        }
-        e => anyhow!("{}: not a valid safetensors file ({e})", path.display()),
-    })?;
+    let (header_len, meta) =
+        SafeTensors::read_metadata(&mmap[..]).map_err(|e| anyhow!("{}: {}", path.display(), describe_header_error(&mmap, e)))?;
     let data_start = 8 + header_len;
     let file_len = mmap.len();
     let buf = Arc::new(Buffer::Mapped(mmap));
     for (name, info) in meta.tensors() {
         let (start, end) = info.data_offsets;
         let dtype = StoredDtype::from_st(info.dtype);
-        if data_start + end > file_len {
-            bail!("{}: truncated: tensor `{name}` ends at byte {} but the file has {file_len}", path.display(), data_start + end);
+        // The crate checked that the offsets tile the data exactly and that the byte counts match the
+        // shapes without overflow; check again with checked arithmetic, since a wrong view is memory unsafety.
+        let bytes_end = data_start.checked_add(end).filter(|&e| start <= end && e <= file_len);
+        if bytes_end.is_none() {
+            bail!("{}: truncated: tensor `{name}` ends past the end of the file ({file_len} bytes)", path.display());
         }
-        let n: usize = info.shape.iter().product();
+        let n = info.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
         if let Some(size) = dtype.size() {
-            if end - start != n * size {
-                bail!("{}: tensor `{name}` holds {} bytes, its shape {:?} needs {}", path.display(), end - start, info.shape, n * size);
+            if n.and_then(|n| n.checked_mul(size)) != Some(end - start) {
+                bail!("{}: tensor `{name}` holds {} bytes, which does not match its shape {:?}", path.display(), end - start, info.shape);
             }
         }
         if out.contains_key(&name) {
@@ -268,4 +277,80 @@ fn load_file(path: &Path, out: &mut HashMap<String, Tensor>) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// What is wrong with a safetensors header, in words (the crate's errors print as debug names), naming the
+/// tensor where the header lets us.
+fn describe_header_error(bytes: &[u8], e: SafeTensorError) -> String {
+    let header = || -> Option<serde_json::Map<String, Value>> {
+        let n = usize::try_from(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
+        let text = std::str::from_utf8(bytes.get(8..8usize.checked_add(n)?)?).ok()?;
+        serde_json::from_str::<Value>(text).ok()?.as_object().cloned()
+    };
+    // Tensors as (name, dtype, shape, start, end) in the order of their data, where they parse.
+    let tensors = || -> Vec<(String, String, Vec<u64>, u64, u64)> {
+        let mut v: Vec<_> = header()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(k, _)| k != "__metadata__")
+            .filter_map(|(k, t)| {
+                let dtype = t.get("dtype")?.as_str()?.to_string();
+                let shape = t.get("shape")?.as_array()?.iter().map(Value::as_u64).collect::<Option<Vec<_>>>()?;
+                let off = t.get("data_offsets")?.as_array()?;
+                Some((k, dtype, shape, off.first()?.as_u64()?, off.get(1)?.as_u64()?))
+            })
+            .collect();
+        v.sort_by_key(|t| (t.3, t.4));
+        v
+    };
+    match e {
+        SafeTensorError::HeaderTooSmall => format!("not a safetensors file: {} bytes, shorter than the 8-byte header length", bytes.len()),
+        SafeTensorError::HeaderTooLarge => "not a safetensors file: the header length is over 100 MB".into(),
+        SafeTensorError::InvalidHeaderLength => {
+            format!("truncated or not a safetensors file: the header length runs past the end of the file ({} bytes)", bytes.len())
+        }
+        SafeTensorError::InvalidHeader => "not a safetensors file: the header is not UTF-8 text".into(),
+        SafeTensorError::InvalidHeaderStart | SafeTensorError::InvalidHeaderDeserialization | SafeTensorError::JsonError(_) => {
+            "not a safetensors file: the header is not a valid safetensors JSON table (name -> dtype, shape, data_offsets)".into()
+        }
+        SafeTensorError::InvalidOffset(name) => {
+            format!("tensor `{name}`: its data_offsets do not follow the previous tensor's (overlapping, out of order or reversed)")
+        }
+        SafeTensorError::ValidationOverflow => "a tensor's shape is too large to address (its size overflows)".into(),
+        SafeTensorError::TensorInvalidInfo => {
+            let size = |d: &str| match d {
+                "F64" | "I64" | "U64" => Some(8),
+                "F32" | "I32" | "U32" => Some(4),
+                "F16" | "BF16" | "I16" | "U16" => Some(2),
+                "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => Some(1),
+                _ => None,
+            };
+            let bad = tensors().into_iter().find(|(_, d, shape, s, e)| {
+                let need = shape.iter().try_fold(1u64, |a, &x| a.checked_mul(x)).and_then(|n| n.checked_mul(size(d)?));
+                need != e.checked_sub(*s)
+            });
+            match bad {
+                Some((name, d, shape, s, e)) => {
+                    format!("tensor `{name}` ({d}, shape {shape:?}) has data_offsets [{s}, {e}], which do not hold its shape")
+                }
+                None => "a tensor's data_offsets do not match its dtype and shape".into(),
+            }
+        }
+        SafeTensorError::MetadataIncompleteBuffer => {
+            let data_end = tensors().iter().map(|t| t.4).max().unwrap_or(0);
+            let have = bytes.len() as u64;
+            let n = header().map(|_| u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")));
+            match n.map(|n| 8 + n + data_end) {
+                Some(want) if want > have => {
+                    format!("truncated: the header describes {want} bytes but the file has {have}")
+                }
+                Some(want) => format!(
+                    "{} unexpected bytes after the last tensor: the header describes {want} bytes but the file has {have}",
+                    have - want
+                ),
+                None => "the tensor data does not fill the file exactly".into(),
+            }
+        }
+        other => format!("not a valid safetensors file ({other:?})"),
+    }
 }

@@ -95,9 +95,7 @@ pub struct Assistant {
 
 impl Assistant {
     pub fn load(dir: &Path) -> Result<Assistant> {
-        if !dir.is_dir() {
-            bail!("assistant directory {} does not exist", dir.display());
-        }
+        crate::files::require_dir(dir, "assistant directory")?;
         let cfg = load_assistant_config(dir)?;
         let store = WeightStore::open(dir)?;
         Assistant::from_store(cfg, &store)
@@ -106,6 +104,10 @@ impl Assistant {
     pub fn from_store(cfg: AssistantConfig, store: &WeightStore) -> Result<Assistant> {
         let t = &cfg.text;
         let (v, hd, hb, hq) = (t.vocab_size, t.hidden_size, cfg.backbone_hidden_size, t.num_heads);
+        let held = store.count_layers("model.layers.");
+        if held < t.num_layers() {
+            bail!("the assistant config declares {} layers but its weights hold {held}", t.num_layers());
+        }
         let vec = |name: &str, n: usize| -> Result<Vec<f32>> { store.require_full(name, &[n])?.to_f32() };
         let embed = store.require_full("model.embed_tokens.weight", &[v, hd])?;
         let dtype = embed.float_dtype()?;

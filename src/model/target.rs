@@ -112,9 +112,7 @@ pub struct TargetModel {
 impl TargetModel {
     /// Load a model directory (config.json, generation_config.json, safetensors).
     pub fn load(dir: &Path) -> Result<TargetModel> {
-        if !dir.is_dir() {
-            bail!("model directory {} does not exist", dir.display());
-        }
+        crate::files::require_dir(dir, "model directory")?;
         let cfg = load_model_config(dir)?.text;
         let store = WeightStore::open(dir)?;
         TargetModel::from_store(cfg, &store)
@@ -123,6 +121,10 @@ impl TargetModel {
     /// Build from tensors (names below the text-model prefix), checking every name and shape.
     pub fn from_store(cfg: TextConfig, store: &WeightStore) -> Result<TargetModel> {
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let held = store.count_layers(&format!("{}layers.", store.prefix()));
+        if held < cfg.num_layers() {
+            bail!("the config declares {} layers but the weights hold {held}", cfg.num_layers());
+        }
         let vec = |name: &str, n: usize| -> Result<Vec<f32>> { store.require(name, &[n])?.to_f32() };
         let embed = store.require("embed_tokens.weight", &[v, h])?;
         let dtype = embed.float_dtype()?;

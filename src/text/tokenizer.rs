@@ -15,7 +15,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use serde_json::{json, Map, Value};
 use tokenizers::{AddedToken, Tokenizer};
 
@@ -44,14 +44,14 @@ pub struct TextTokenizer {
 
 /// Whether `dir` has a tokenizer.
 pub fn has_tokenizer(dir: &Path) -> bool {
-    dir.join(TOKENIZER_FILE).is_file()
+    crate::files::exists(&dir.join(TOKENIZER_FILE))
 }
 
 fn read_json(path: &Path) -> Result<Option<Value>> {
-    if !path.is_file() {
+    if !crate::files::exists(path) {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = crate::files::read_text(path)?;
     let v: Value = serde_json::from_str(&text).map_err(|e| anyhow!("{}: malformed JSON: {e}", path.display()))?;
     Ok(Some(v))
 }
@@ -90,7 +90,7 @@ impl TextTokenizer {
     /// template (`chat_template.jinja`, else `chat_template` in `tokenizer_config.json`).
     pub fn load(dir: &Path) -> Result<TextTokenizer> {
         let path = dir.join(TOKENIZER_FILE);
-        if !path.is_file() {
+        if !crate::files::exists(&path) {
             bail!("{} has no {TOKENIZER_FILE}", dir.display());
         }
         let mut file = read_json(&path)?.unwrap_or(Value::Null);
@@ -227,8 +227,8 @@ impl TextTokenizer {
 
         // Chat template: the .jinja file wins over the config entry.
         let template_path = dir.join("chat_template.jinja");
-        let chat_template = if template_path.is_file() {
-            Some(std::fs::read_to_string(&template_path).with_context(|| format!("cannot read {}", template_path.display()))?)
+        let chat_template = if crate::files::exists(&template_path) {
+            Some(crate::files::read_text(&template_path)?)
         } else {
             match config.get("chat_template") {
                 Some(Value::String(s)) => Some(s.clone()),
