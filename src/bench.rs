@@ -288,13 +288,25 @@ pub fn run(opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
         bail!("--prefill and --decode must be at least 1");
     }
     let cfg = opts.preset.config(opts.layers)?;
+    // Positions the run needs: the prompt, a warm-up step, the decode steps, then the multi-row forwards
+    // (rolled back after each).
+    let ctx = cfg.max_position_embeddings;
+    match opts.prefill_tokens.checked_add(1).and_then(|n| n.checked_add(opts.decode_steps)).and_then(|n| n.checked_add(opts.max_rows)) {
+        Some(n) if n <= ctx => {}
+        _ => bail!(
+            "--prefill {} + --decode {} + --rows {} (+1 warm-up step) exceed the model's context of {ctx} positions",
+            opts.prefill_tokens,
+            opts.decode_steps,
+            opts.max_rows
+        ),
+    }
     log(&format!("building a random {:?} model with {} layers in memory...", opts.preset, opts.layers));
     let model = random_model(&cfg, 7)?;
     let bytes = model.bytes_per_token();
     log("measuring the machine's read bandwidth...");
     let machine = kernels::bandwidth::measure_read_bandwidth(1 << 30);
 
-    let prompt: Vec<u32> = (0..opts.prefill_tokens as u32).map(|i| 3 + (i * 7919) % 262_000).collect();
+    let prompt: Vec<u32> = (0..opts.prefill_tokens as u64).map(|i| 3 + ((i * 7919) % 262_000) as u32).collect();
     let mut cache = model.new_cache();
     log(&format!("prefill of {} tokens...", prompt.len()));
     let t = Instant::now();

@@ -20,6 +20,7 @@ use tandem::decode::sampling::SamplingParams;
 use tandem::decode::speculative::{generate_speculative_until, SpecStats};
 use tandem::model::assistant::Assistant;
 use tandem::model::{KvCache, TargetModel};
+use tandem::params;
 use tandem::text::stream::terminal_safe;
 use tandem::text::{has_tokenizer, ChatTemplate, RenderOptions, TextStream, TextTokenizer, TOKENIZER_FILE};
 
@@ -27,7 +28,7 @@ use tandem::text::{has_tokenizer, ChatTemplate, RenderOptions, TextStream, TextT
 #[command(name = "tandem", version, about = "Gemma 4 on CPU, with speculative decoding by its assistant drafters")]
 struct Cli {
     /// Worker threads (default: all cores).
-    #[arg(long, global = true)]
+    #[arg(long, global = true, allow_hyphen_values = true)]
     threads: Option<usize>,
     #[command(subcommand)]
     command: Command,
@@ -43,6 +44,10 @@ enum Command {
     Bench(BenchArgs),
 }
 
+/// `--seed`: a number, or `None` for a random one (-1).
+#[derive(Clone, Copy, Debug)]
+struct Seed(Option<u64>);
+
 /// Options shared by `generate` and `chat`.
 #[derive(Args)]
 struct RunArgs {
@@ -51,28 +56,29 @@ struct RunArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Most tokens to generate (per reply in `chat`). Default: 128 for `generate`, 1024 for `chat`.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     max_new_tokens: Option<usize>,
-    /// 0 means greedy.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    /// 0 means greedy; otherwise at least 1e-4.
+    #[arg(long, default_value = "0", allow_hyphen_values = true, value_parser = |s: &str| params::parse_float("temperature", s))]
     temperature: f32,
-    /// 0 disables top-k.
-    #[arg(long, default_value_t = 0)]
+    /// Keep the K most likely tokens; 0 or -1 disable top-k.
+    #[arg(long, default_value = "0", allow_hyphen_values = true, value_parser = params::parse_top_k)]
     top_k: usize,
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(long, default_value = "1", allow_hyphen_values = true, value_parser = |s: &str| params::parse_float("top-p", s))]
     top_p: f32,
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    #[arg(long, default_value = "0", allow_hyphen_values = true, value_parser = |s: &str| params::parse_float("min-p", s))]
     min_p: f32,
     /// 1.0 disables the penalty.
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(long, default_value = "1", allow_hyphen_values = true, value_parser = |s: &str| params::parse_float("repeat-penalty", s))]
     repeat_penalty: f32,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Sampling seed; -1 picks a random one.
+    #[arg(long, default_value = "0", allow_hyphen_values = true, value_parser = |s: &str| params::parse_seed(s).map(Seed))]
+    seed: Seed,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
     /// Total tokens (prompt + generated) allowed; default and maximum: the model's max_position_embeddings.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     context: Option<usize>,
     /// Assistant (MTP drafter) directory: decode speculatively, with exactly the target's output.
     #[arg(long)]
@@ -85,7 +91,7 @@ struct RunArgs {
     #[arg(long)]
     no_draft: bool,
     /// Stop when the generated text contains STRING (not printed). Repeatable. Needs a tokenizer.
-    #[arg(long, value_name = "STRING")]
+    #[arg(long, value_name = "STRING", allow_hyphen_values = true, value_parser = params::parse_stop)]
     stop: Vec<String>,
     /// Let the model think before it answers (the chat template's `enable_thinking`).
     #[arg(long)]
@@ -114,7 +120,7 @@ struct GenerateArgs {
     #[arg(long, value_name = "TEXT", requires = "chat")]
     system: Option<String>,
     /// Report the log-probability of each token and of the N most likely alternatives.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_hyphen_values = true)]
     top_logprobs: Option<usize>,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
@@ -139,19 +145,19 @@ struct BenchArgs {
     #[arg(long, default_value = "e2b")]
     preset: String,
     /// Decoder layers to build (the real models have 35 / 42; fewer fit in memory and run faster).
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 10)]
     layers: usize,
     /// Prompt tokens for the prefill measurement.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 128)]
     prefill: usize,
     /// Decode steps to time.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 32)]
     decode: usize,
     /// Largest multi-row forward to time (rows 1..=R).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 8)]
     rows: usize,
     /// Draft steps to time (median reported).
-    #[arg(long, default_value_t = 15)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 15)]
     draft_steps: usize,
     /// Instead: run held-out prompts greedily with and without drafting on a real pair (default: the
     /// pair that ships in models/default) and report acceptance and the decode speed-up.
@@ -170,11 +176,41 @@ struct BenchArgs {
     #[arg(long, requires = "pair", default_value = "4")]
     draft_tokens: String,
     /// --pair: tokens generated per prompt.
-    #[arg(long, requires = "pair", default_value_t = 64)]
+    #[arg(long, requires = "pair", allow_hyphen_values = true, default_value_t = 64)]
     max_new_tokens: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// `eprintln!` that cannot panic: a closed or full stderr loses the message, never the process.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
+/// Stdout went away: the reader closed the pipe (`tandem generate ... | head`). The run ends quietly.
+#[derive(Debug)]
+struct StdoutClosed;
+
+impl std::fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stdout was closed")
+    }
+}
+
+impl std::error::Error for StdoutClosed {}
+
+/// Write `text` to stdout now. A closed pipe is [`StdoutClosed`]; any other failure (a full disk) is an
+/// error that says so.
+fn emit(text: &str) -> Result<()> {
+    let mut o = std::io::stdout().lock();
+    match o.write_all(text.as_bytes()).and_then(|_| o.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(StdoutClosed.into()),
+        Err(e) => Err(anyhow!("cannot write to stdout: {e}")),
+    }
 }
 
 fn main() -> ExitCode {
@@ -187,8 +223,9 @@ fn main() -> ExitCode {
     };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.chain().any(|c| c.is::<StdoutClosed>()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", one_line(&e));
+            say!("error: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
@@ -203,6 +240,7 @@ fn one_line(e: &anyhow::Error) -> String {
 const MAX_THREADS: usize = 1024;
 
 fn run(cli: Cli) -> Result<()> {
+    tandem::kernels::check_isa_env().map_err(|e| anyhow!(e))?;
     let threads = match cli.threads {
         Some(0) => bail!("--threads must be at least 1"),
         Some(n) if n > MAX_THREADS => bail!("--threads must be at most {MAX_THREADS}, got {n}"),
@@ -218,14 +256,6 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chat(args) => run_chat(args),
         Command::Bench(args) => run_bench(args, threads),
     }
-}
-
-fn parse_ids(s: &str) -> Result<Vec<u32>> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-        .map(|t| t.parse::<u32>().map_err(|_| anyhow!("--prompt-ids: {t:?} is not a token id")))
-        .collect()
 }
 
 /// A loaded model (and assistant) with its generation settings and, when it has one, its tokenizer.
@@ -285,7 +315,7 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
         top_p: run.top_p,
         min_p: run.min_p,
         repeat_penalty: run.repeat_penalty,
-        seed: run.seed,
+        seed: run.seed.0.unwrap_or_else(params::random_seed),
     };
     sampling.validate()?;
     let need = if run.stop.is_empty() || matches!(need, TextNeed::Required(_)) { need } else { TextNeed::Required("--stop needs") };
@@ -300,14 +330,14 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
     }
     let model = TargetModel::load(&model_dir)?;
     if let Some(w) = memory_warning(model.working_set_bytes(), tandem::system::physical_memory_bytes()) {
-        eprintln!("{w}");
+        say!("{w}");
     }
     let tokenizer = match need {
         TextNeed::Required(_) => Some(load_tokenizer(&model_dir, model.cfg.vocab_size)?),
         TextNeed::Optional if has_tokenizer(&model_dir) => match load_tokenizer(&model_dir, model.cfg.vocab_size) {
             Ok(t) => Some(t),
             Err(e) => {
-                eprintln!("warning: no text output: {}", one_line(&e));
+                say!("warning: no text output: {}", one_line(&e));
                 None
             }
         },
@@ -354,14 +384,30 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
 
 fn load_tokenizer(dir: &Path, vocab_size: usize) -> Result<TextTokenizer> {
     let tok = TextTokenizer::load(dir).context("cannot load the tokenizer")?;
+    // transformers loads such a tokenizer (GemmaTokenizer adds `<mask>` when the vocabulary lacks it), so
+    // do too, and refuse only a prompt that uses one of the extra ids.
     if tok.len() > vocab_size {
-        bail!(
-            "the tokenizer in {} has {} tokens but the model's vocabulary has {vocab_size}: they do not belong together",
-            dir.display(),
-            tok.len()
+        let extra: Vec<String> = (vocab_size..tok.len().min(vocab_size + 5))
+            .map(|id| format!("{} = {:?}", id, tok.id_to_token(id as u32).unwrap_or_default()))
+            .collect();
+        say!(
+            "warning: the tokenizer has {} tokens but the model's vocabulary has {vocab_size}; the ones beyond it ({}{}) cannot be used",
+            tok.len(),
+            extra.join(", "),
+            if tok.len() > vocab_size + 5 { ", ..." } else { "" }
         );
     }
     Ok(tok)
+}
+
+/// A tokenized prompt must use only ids the model has: name the first token that is beyond it.
+fn check_prompt_ids(tok: &TextTokenizer, ids: &[u32], vocab_size: usize) -> Result<()> {
+    if let Some(&id) = ids.iter().find(|&&t| t as usize >= vocab_size) {
+        let text = tok.id_to_token(id).unwrap_or_default();
+        let named = tok.special_tokens().iter().find(|(_, v)| *v == text).map(|(k, _)| format!(" (the tokenizer's {k})")).unwrap_or_default();
+        bail!("the prompt contains token {text:?}{named}, id {id}, which is beyond the model's vocabulary of {vocab_size} tokens");
+    }
+    Ok(())
 }
 
 impl Session {
@@ -389,7 +435,9 @@ impl Session {
         }
         let tok = self.tokenizer();
         let text = template.render(messages, tok.special_tokens(), &opts)?;
-        tok.encode(&text, false)
+        let ids = tok.encode(&text, false)?;
+        check_prompt_ids(tok, &ids, self.model.cfg.vocab_size)?;
+        Ok(ids)
     }
 
     /// The ids that end generation (and are not part of the text).
@@ -451,13 +499,15 @@ fn memory_warning(working_set: usize, memory: Option<u64>) -> Option<String> {
 }
 
 /// Write text to stdout now; on a terminal, control characters are neutralised.
-fn print_text(text: &str, tty: bool) {
+fn print_text(text: &str, tty: bool) -> Result<()> {
     if text.is_empty() {
-        return;
+        return Ok(());
     }
-    let mut o = std::io::stdout().lock();
-    let _ = if tty { o.write_all(terminal_safe(text).as_bytes()) } else { o.write_all(text.as_bytes()) };
-    let _ = o.flush();
+    if tty {
+        emit(&terminal_safe(text))
+    } else {
+        emit(text)
+    }
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
@@ -470,7 +520,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }
     }
     let explicit_ids = match &args.prompt_ids {
-        Some(s) => Some(parse_ids(s)?),
+        Some(s) => Some(params::parse_ids(s)?),
         None => None,
     };
     let need = if explicit_ids.is_some() {
@@ -483,7 +533,11 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let s = open_session(&args.run, 128, need, args.top_logprobs, args.trace)?;
     let prompt = match (&explicit_ids, &args.prompt, &args.chat) {
         (Some(ids), _, _) => ids.clone(),
-        (None, Some(text), _) => s.tokenizer().encode(text, true)?,
+        (None, Some(text), _) => {
+            let ids = s.tokenizer().encode(text, true)?;
+            check_prompt_ids(s.tokenizer(), &ids, s.model.cfg.vocab_size)?;
+            ids
+        }
         (None, None, Some(user)) => {
             let template = s.template()?;
             let mut messages = Vec::new();
@@ -500,6 +554,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
 
     let mut stream = s.tokenizer.as_ref().map(|t| TextStream::new(t, s.stop_ids(), args.run.stop.clone(), args.run.show_thinking));
     let mut stream_err: Option<anyhow::Error> = None;
+    let mut out_err: Option<anyhow::Error> = None;
     let mut first = true;
     let on_tokens = |ts: &[u32]| -> Flow {
         let mut keep = ts.len();
@@ -508,7 +563,10 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             match st.push(ts) {
                 Ok(p) => {
                     if !args.json && text_mode {
-                        print_text(&p.visible, tty);
+                        if let Err(e) = print_text(&p.visible, tty) {
+                            out_err.get_or_insert(e);
+                            return Flow::StopAfter(ts.len());
+                        }
                     }
                     if let Some(k) = p.keep {
                         keep = k;
@@ -522,16 +580,22 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             }
         }
         if !args.json && !text_mode && keep > 0 {
-            let mut o = std::io::stdout().lock();
+            let mut line = String::new();
             for t in &ts[..keep] {
-                let _ = write!(o, "{}{t}", if first { "" } else { " " });
+                line += &format!("{}{t}", if first { "" } else { " " });
                 first = false;
             }
-            let _ = o.flush();
+            if let Err(e) = emit(&line) {
+                out_err.get_or_insert(e);
+                return Flow::StopAfter(ts.len());
+            }
         }
         flow
     };
     let (g, spec) = s.generate(&prompt, args.trace, on_tokens).context("generation failed")?;
+    if let Some(e) = out_err {
+        return Err(e);
+    }
     if let Some(e) = stream_err {
         return Err(e.context("cannot decode the output"));
     }
@@ -539,15 +603,15 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     if let Some(st) = stream.as_mut() {
         let rest = st.finish()?;
         if !args.json && text_mode {
-            print_text(&rest, tty);
+            print_text(&rest, tty)?;
         }
         if st.inside_thinking() && text_mode && !args.json {
-            eprintln!("note: the output ended inside a thinking block (--show-thinking prints it)");
+            say!("note: the output ended inside a thinking block (--show-thinking prints it)");
         }
         text = Some(st.text().to_string());
     }
     if g.context_limited {
-        eprintln!("note: stopped at the context limit of {} tokens", s.opts.context_limit);
+        say!("note: stopped at the context limit of {} tokens", s.opts.context_limit);
     }
     if args.json {
         let mut stats = serde_json::to_value(&g.stats)?;
@@ -572,10 +636,10 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         if let Some(r) = rounds {
             obj["rounds"] = r;
         }
-        println!("{obj}");
+        emit(&format!("{obj}\n"))?;
     } else {
-        println!();
-        eprintln!("{}", summary(&g, spec.as_ref()));
+        emit("\n")?;
+        say!("{}", summary(&g, spec.as_ref()));
     }
     Ok(())
 }
@@ -615,26 +679,65 @@ const CHAT_HELP: &str = "/reset starts over, /draft off|on|auto|K switches draft
 
 /// Lines from stdin, read on their own thread so that Ctrl-C at the prompt is noticed. `None` is end of
 /// input.
-fn stdin_lines() -> mpsc::Receiver<Option<String>> {
+fn stdin_lines() -> mpsc::Receiver<Option<Result<String, String>>> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let stdin = std::io::stdin();
         loop {
-            let mut line = String::new();
-            match stdin.lock().read_line(&mut line) {
-                Ok(0) | Err(_) => {
-                    let _ = tx.send(None);
-                    return;
+            let mut bytes = Vec::new();
+            let item = match stdin.lock().read_until(b'\n', &mut bytes) {
+                Ok(0) => None,
+                // A line that is not UTF-8 is refused on its own; the lines after it still count.
+                Ok(_) => Some(String::from_utf8(bytes).map_err(|e| {
+                    format!("that line is not UTF-8 text (invalid byte at offset {}); it was not sent", e.utf8_error().valid_up_to())
+                })),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    let _ = tx.send(Some(Err(format!("cannot read the input: {e}"))));
+                    None
                 }
-                Ok(_) => {
-                    if tx.send(Some(line)).is_err() {
-                        return;
-                    }
-                }
+            };
+            let end = item.is_none();
+            if tx.send(item).is_err() || end {
+                return;
             }
         }
     });
     rx
+}
+
+/// What a chat input line asks for.
+#[derive(Debug, PartialEq, Eq)]
+enum ChatInput<'a> {
+    Nothing,
+    Exit,
+    Reset,
+    Help,
+    Draft(&'a str),
+    /// A message for the model (`//` at the start sends one that begins with `/`).
+    Message(&'a str),
+    Bad(String),
+}
+
+/// Every line that starts with `/` is a command; a command that takes no argument refuses one.
+fn parse_chat_input(input: &str) -> ChatInput<'_> {
+    let trimmed = input.trim();
+    if trimmed.is_empty() {
+        return ChatInput::Nothing;
+    }
+    if let Some(rest) = input.trim_start().strip_prefix("//") {
+        return ChatInput::Message(&input[input.len() - rest.len() - 1..]);
+    }
+    let Some(cmd) = trimmed.strip_prefix('/') else { return ChatInput::Message(input) };
+    let (name, arg) = cmd.split_once(char::is_whitespace).map_or((cmd, ""), |(n, a)| (n, a.trim()));
+    let no_arg = |c: ChatInput<'static>| if arg.is_empty() { c } else { ChatInput::Bad(format!("/{name} takes no argument ({CHAT_HELP})")) };
+    match name {
+        "exit" | "quit" => no_arg(ChatInput::Exit),
+        "reset" => no_arg(ChatInput::Reset),
+        "help" => no_arg(ChatInput::Help),
+        "draft" => ChatInput::Draft(arg),
+        _ => ChatInput::Bad(format!("unknown command /{name} (start a message with // to send a leading /; {CHAT_HELP})")),
+    }
 }
 
 fn run_chat(args: ChatArgs) -> Result<()> {
@@ -653,93 +756,87 @@ fn run_chat(args: ChatArgs) -> Result<()> {
 
     let system = args.system.as_ref().map(|sys| json!({"role": "system", "content": sys}));
     let mut history: Vec<serde_json::Value> = system.iter().cloned().collect();
-    eprintln!(
+    say!(
         "tandem chat: {}{} ({})",
         args.run.model_dir()?.display(),
         args.run.assistant_dir().map(|a| format!(" with assistant {}", a.display())).unwrap_or_default(),
         CHAT_HELP
     );
     let lines = stdin_lines();
-    let prompt_mark = || {
+    let prompt_mark = || -> Result<()> {
         if interactive {
-            print!("> ");
-            let _ = std::io::stdout().flush();
+            emit("> ")?;
         }
+        Ok(())
     };
-    prompt_mark();
+    prompt_mark()?;
     loop {
         let line = match lines.recv_timeout(Duration::from_millis(50)) {
-            Ok(Some(line)) => line,
+            Ok(Some(Ok(line))) => line,
+            Ok(Some(Err(e))) => {
+                say!("error: {e}");
+                prompt_mark()?;
+                continue;
+            }
             Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => {
                 if interactive {
-                    println!();
+                    emit("\n")?;
                 }
                 return Ok(());
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if interrupted.swap(false, Ordering::SeqCst) {
-                    eprintln!("\n({CHAT_HELP})");
-                    prompt_mark();
+                    say!("\n({CHAT_HELP})");
+                    prompt_mark()?;
                 }
                 continue;
             }
         };
-        let input = line.trim_end_matches(['\n', '\r']);
-        match input.trim() {
-            "" => {
-                prompt_mark();
-                continue;
-            }
-            "/exit" | "/quit" => return Ok(()),
-            "/reset" => {
-                history = system.iter().cloned().collect();
-                eprintln!("(conversation cleared)");
-                prompt_mark();
-                continue;
-            }
-            cmd if cmd == "/draft" || cmd.starts_with("/draft ") => {
-                match s.switch_drafting(cmd["/draft".len()..].trim()) {
-                    Ok(state) => eprintln!("({state})"),
-                    Err(e) => eprintln!("error: {}", one_line(&e)),
+        let input = match parse_chat_input(line.trim_end_matches(['\n', '\r'])) {
+            ChatInput::Message(m) => m,
+            ChatInput::Exit => return Ok(()),
+            other => {
+                match other {
+                    ChatInput::Reset => {
+                        history = system.iter().cloned().collect();
+                        say!("(conversation cleared)");
+                    }
+                    ChatInput::Draft(arg) => match s.switch_drafting(arg) {
+                        Ok(state) => say!("({state})"),
+                        Err(e) => say!("error: {}", one_line(&e)),
+                    },
+                    ChatInput::Help => say!("({CHAT_HELP})"),
+                    ChatInput::Bad(e) => say!("error: {e}"),
+                    ChatInput::Nothing | ChatInput::Exit | ChatInput::Message(_) => {}
                 }
-                prompt_mark();
+                prompt_mark()?;
                 continue;
             }
-            "/help" => {
-                eprintln!("({CHAT_HELP})");
-                prompt_mark();
-                continue;
-            }
-            cmd if cmd.starts_with('/') && !cmd.contains(char::is_whitespace) => {
-                eprintln!("unknown command {cmd} ({CHAT_HELP})");
-                prompt_mark();
-                continue;
-            }
-            _ => {}
-        }
+        };
         history.push(json!({"role": "user", "content": input}));
         let prompt = match s.chat_prompt(&template, &json!(history), args.run.thinking) {
             Ok(p) if p.len() >= s.opts.context_limit => {
                 history.pop();
-                eprintln!(
+                say!(
                     "error: the conversation with this message is {} tokens and the context limit is {}: /reset starts over (or raise --context)",
                     p.len(),
                     s.opts.context_limit
                 );
-                prompt_mark();
+                prompt_mark()?;
                 continue;
             }
             Ok(p) => p,
             Err(e) => {
                 history.pop();
-                eprintln!("error: {}", one_line(&e));
-                prompt_mark();
+                say!("error: {}", one_line(&e));
+                prompt_mark()?;
                 continue;
             }
         };
         // A Ctrl-C from here on stops this reply (one at the prompt was taken above).
         let mut stream = TextStream::new(tok, s.stop_ids(), args.run.stop.clone(), args.run.show_thinking);
         let mut stream_err: Option<anyhow::Error> = None;
+        let mut out_err: Option<anyhow::Error> = None;
         let mut was_interrupted = false;
         let result = s.generate(&prompt, false, |ts| {
             if let Some(d) = delay {
@@ -748,7 +845,10 @@ fn run_chat(args: ChatArgs) -> Result<()> {
             let mut flow = Flow::Continue;
             match stream.push(ts) {
                 Ok(p) => {
-                    print_text(&p.visible, tty);
+                    if let Err(e) = print_text(&p.visible, tty) {
+                        out_err.get_or_insert(e);
+                        return Flow::StopAfter(ts.len());
+                    }
                     if let Some(k) = p.keep {
                         flow = Flow::StopAfter(k);
                     }
@@ -764,27 +864,30 @@ fn run_chat(args: ChatArgs) -> Result<()> {
             }
             flow
         });
+        if let Some(e) = out_err {
+            return Err(e);
+        }
         let (g, spec) = match result {
             Ok(r) => r,
             Err(e) => {
                 history.pop();
-                eprintln!("error: {}", one_line(&e));
-                prompt_mark();
+                say!("error: {}", one_line(&e));
+                prompt_mark()?;
                 continue;
             }
         };
         match stream.finish() {
-            Ok(rest) => print_text(&rest, tty),
+            Ok(rest) => print_text(&rest, tty)?,
             Err(e) => {
                 stream_err.get_or_insert(e);
             }
         }
-        println!();
+        emit("\n")?;
         if let Some(e) = stream_err {
-            eprintln!("error: cannot decode the output: {}", one_line(&e));
+            say!("error: cannot decode the output: {}", one_line(&e));
         }
         if stream.inside_thinking() {
-            eprintln!("(the reply ended inside its thinking; --show-thinking prints it)");
+            say!("(the reply ended inside its thinking; --show-thinking prints it)");
         }
         let reason = if was_interrupted {
             "interrupted"
@@ -798,9 +901,9 @@ fn run_chat(args: ChatArgs) -> Result<()> {
                 FinishReason::Length => "length limit",
             }
         };
-        eprintln!("{}", reply_summary(&g, spec.as_ref(), reason));
+        say!("{}", reply_summary(&g, spec.as_ref(), reason));
         history.push(json!({"role": "assistant", "content": stream.text()}));
-        prompt_mark();
+        prompt_mark()?;
     }
 }
 
@@ -839,11 +942,11 @@ fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
             draft: DraftLength::parse(&args.draft_tokens)?,
             max_new_tokens: args.max_new_tokens,
         };
-        let report = bench::run_pair(&opts, |msg| eprintln!("{msg}"))?;
+        let report = bench::run_pair(&opts, |msg| say!("{msg}"))?;
         if args.json {
-            println!("{}", serde_json::to_string(&report)?);
+            emit(&format!("{}\n", serde_json::to_string(&report)?))?;
         } else {
-            print!("{}", report.table());
+            emit(&report.table())?;
         }
         return Ok(());
     }
@@ -857,11 +960,11 @@ fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
         draft_steps: args.draft_steps,
         threads,
     };
-    let report = bench::run(&opts, |msg| eprintln!("{msg}"))?;
+    let report = bench::run(&opts, |msg| say!("{msg}"))?;
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        emit(&format!("{}\n", serde_json::to_string(&report)?))?;
     } else {
-        print!("{}", report.table());
+        emit(&report.table())?;
     }
     Ok(())
 }

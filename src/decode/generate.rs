@@ -94,6 +94,20 @@ pub fn validate_prompt(model: &TargetModel, prompt: &[u32], context_limit: usize
     Ok(())
 }
 
+/// A logit row must be finite: NaN or infinite logits (NaN/Inf weights, a degenerate config) would
+/// otherwise be sampled as if they meant something. `step` is the 1-based number of the token chosen
+/// from this row.
+pub fn check_logits(logits: &[f32], step: usize) -> Result<()> {
+    if logits.iter().all(|x| x.is_finite()) {
+        return Ok(());
+    }
+    let (i, x) = logits.iter().enumerate().find(|(_, x)| !x.is_finite()).expect("one is not finite");
+    bail!(
+        "the model's logits are not finite at generation step {step} (token {i}: {x}); its weights or config are corrupt \
+         (NaN or infinite values)"
+    )
+}
+
 /// Run the prompt through the model in chunks, reusing whatever prefix of it `cache` already holds;
 /// returns the last row's logits and hidden state. Records the prefill speed and the reused tokens.
 pub fn prefill(model: &TargetModel, cache: &mut KvCache, prompt: &[u32], stats: &mut Stats) -> Result<crate::model::Forward> {
@@ -153,6 +167,7 @@ pub fn generate_until(
     let t1 = Instant::now();
     loop {
         let logits = fwd.logits_row(fwd.rows - 1);
+        check_logits(logits, out.tokens.len() + 1)?;
         let token = sampler.sample(logits, &history);
         if let Some(n) = opts.top_logprobs {
             let lp = log_softmax(logits);

@@ -56,6 +56,9 @@ impl Default for SamplingParams {
     }
 }
 
+/// The smallest positive temperature accepted (0 is greedy).
+pub const MIN_TEMPERATURE: f32 = 1e-4;
+
 /// An impossible sampling parameter; `Display` is a one-line message naming it and its range.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SamplingError {
@@ -73,15 +76,19 @@ impl SamplingParams {
         fn bad(name: &'static str, value: f32, allowed: &'static str) -> Result<(), SamplingError> {
             Err(SamplingError::InvalidParameter {
                 name,
-                value: value.to_string(),
+                value: format!("{value:?}"),
                 allowed,
             })
         }
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+        // Below MIN_TEMPERATURE, dividing the logits overflows f32 for ordinary logit values and the
+        // distribution turns into a uniform draw over the overflowed tokens: refuse it.
+        if !(self.temperature.is_finite()
+            && (self.temperature == 0.0 || self.temperature >= MIN_TEMPERATURE))
+        {
             return bad(
                 "temperature",
                 self.temperature,
-                "finite and >= 0 (0 = greedy)",
+                "0 (greedy) or a finite number >= 1e-4",
             );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
@@ -1287,7 +1294,7 @@ mod tests {
             assert!(!msg.contains('\n'));
         };
         let d = SamplingParams::default;
-        for t in [-0.1, f32::NAN, f32::INFINITY] {
+        for t in [-0.1, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-40, 9e-5] {
             bad(
                 SamplingParams {
                     temperature: t,

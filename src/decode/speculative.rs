@@ -9,12 +9,12 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use serde::Serialize;
 
 use crate::config::LayerType;
 use crate::decode::draft_policy::DraftPolicy;
-use crate::decode::generate::{prefill, validate_prompt, FinishReason, Flow, GenerateOptions, Generation, TokenLogprob};
+use crate::decode::generate::{check_logits, prefill, validate_prompt, FinishReason, Flow, GenerateOptions, Generation, TokenLogprob};
 use crate::decode::sampling::{log_softmax, top_n, Sampler};
 use crate::model::assistant::{Assistant, DraftLogits, DraftStep};
 use crate::model::cache::MAX_ROLLBACK;
@@ -117,6 +117,7 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
     let t1 = Instant::now();
 
     // Iteration 0: the prefill's last row gives the first token.
+    check_logits(first.logits_row(0), 1)?;
     let token = sampler.sample(first.logits_row(0), &history);
     let mut emitted = vec![token];
     if let Some(n) = opts.top_logprobs {
@@ -166,6 +167,7 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
             let mut hp = h.clone();
             for _ in 0..k {
                 let step = drafter.draft_step(target, cache, tok, &hp, p);
+                check_draft(&step.logits, target.cfg.vocab_size, gen.tokens.len() + drafts.len() + 1)?;
                 let d = if greedy {
                     Draft { token: step.logits.argmax(), q: Vec::new() }
                 } else {
@@ -186,6 +188,9 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
         let mut rows = vec![last];
         rows.extend(drafts.iter().map(|d| d.token));
         let out = target.forward(cache, &rows, Keep::All)?;
+        for r in 0..out.rows {
+            check_logits(out.logits_row(r), gen.tokens.len() + r + 1)?;
+        }
         let mut accepted = 0;
         let mut bonus = None;
         for (i, d) in drafts.iter().enumerate() {
@@ -260,6 +265,25 @@ pub fn generate_speculative_until<D: Drafter + ?Sized>(
         spec.mean_accepted_per_round = spec.accepted_tokens as f64 / spec.draft_rounds as f64;
     }
     Ok((gen, spec))
+}
+
+/// The drafter's logits must be finite and name only tokens of the target's vocabulary (NaN logits would
+/// make its argmax or sampling propose anything, including ids past the vocabulary).
+fn check_draft(logits: &DraftLogits, vocab: usize, step: usize) -> Result<()> {
+    let (ids, values): (&[u32], &[f32]) = match logits {
+        DraftLogits::Full(l) => (&[], l),
+        DraftLogits::Sparse { ids, logits } => (ids, logits),
+    };
+    if matches!(logits, DraftLogits::Full(l) if l.len() != vocab) || ids.iter().any(|&t| t as usize >= vocab) {
+        bail!("the assistant proposed a token outside the target's vocabulary of {vocab} at draft step {step}");
+    }
+    if !values.iter().all(|x| x.is_finite()) {
+        bail!(
+            "the assistant's logits are not finite at draft step {step}; its weights are corrupt (NaN or infinite \
+             values): run without it (--no-draft)"
+        );
+    }
+    Ok(())
 }
 
 fn push_logprob(gen: &mut Generation, logits: &[f32], token: u32, n: usize) {

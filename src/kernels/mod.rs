@@ -202,6 +202,18 @@ pub fn isa() -> Isa {
     })
 }
 
+/// Check `TANDEM_ISA` for a program to report at start: an unknown name, or a level this CPU cannot run,
+/// is an error there (the kernels themselves fall back to the detected level).
+pub fn check_isa_env() -> Result<(), String> {
+    let Ok(v) = std::env::var("TANDEM_ISA") else { return Ok(()) };
+    let names: Vec<&str> = Isa::ALL.iter().map(|i| i.name()).collect();
+    match Isa::parse(&v) {
+        None => Err(format!("TANDEM_ISA={v:?} is not an instruction set tandem knows ({})", names.join(", "))),
+        Some(w) if w > Isa::detected() => Err(format!("TANDEM_ISA={v}: this CPU cannot run it (the best it runs is {})", Isa::detected())),
+        Some(_) => Ok(()),
+    }
+}
+
 /// `isa` lowered to what this CPU can actually run (so `*_with` never executes unsupported code).
 #[inline]
 fn runnable(isa: Isa) -> Isa {
