@@ -384,8 +384,15 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
 
 fn load_tokenizer(dir: &Path, vocab_size: usize) -> Result<TextTokenizer> {
     let tok = TextTokenizer::load(dir).context("cannot load the tokenizer")?;
-    // transformers loads such a tokenizer (GemmaTokenizer adds `<mask>` when the vocabulary lacks it), so
-    // do too, and refuse only a prompt that uses one of the extra ids.
+    if tok.base_len() > vocab_size {
+        bail!(
+            "the tokenizer in {} has a vocabulary of {} tokens but the model's has {vocab_size}: they do not belong together",
+            dir.display(),
+            tok.base_len()
+        );
+    }
+    // Added tokens past the embedding: transformers loads such a tokenizer (GemmaTokenizer adds `<mask>`
+    // when the vocabulary lacks it), so do too, and refuse only a prompt that uses one of them.
     if tok.len() > vocab_size {
         let extra: Vec<String> = (vocab_size..tok.len().min(vocab_size + 5))
             .map(|id| format!("{} = {:?}", id, tok.id_to_token(id as u32).unwrap_or_default()))

@@ -1324,7 +1324,7 @@ mod tests {
             .to_string();
         assert_eq!(
             msg,
-            "invalid sampling parameter top_p = 0: must be in (0, 1] (1 = off)"
+            "invalid sampling parameter top_p = 0.0: must be in (0, 1] (1 = off)"
         );
     }
 

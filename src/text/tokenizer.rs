@@ -268,6 +268,11 @@ impl TextTokenizer {
     }
 
     /// Vocabulary size including added tokens.
+    /// Tokens of the model vocabulary itself, without the added (special) ones.
+    pub fn base_len(&self) -> usize {
+        self.inner.get_vocab_size(false)
+    }
+
     pub fn len(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
