@@ -310,7 +310,8 @@ fn rewrite_generation_blocks(source: &str) -> String {
     while let Some(start) = rest.find("{%") {
         out.push_str(&rest[..start]);
         let tag = &rest[start..];
-        let Some(end) = tag.find("%}") else {
+        // `{%}` is not a tag that ends at once: look for the end after the opening `{%`.
+        let Some(end) = tag[2..].find("%}").map(|e| e + 2) else {
             out.push_str(tag);
             return out;
         };
@@ -829,6 +830,15 @@ mod tests {
         let t = ChatTemplate::new("{% for m in messages %}{%- generation -%} [{{ m.content }}] {%- endgeneration -%}{% endfor %}").unwrap();
         let out = t.render(&serde_json::json!([{"role": "user", "content": "hi"}]), &[], &RenderOptions::default()).unwrap();
         assert_eq!(out, "[hi]");
+    }
+
+    #[test]
+    fn generation_rewrite_survives_odd_tags() {
+        // `{%}` once made the rewrite slice a string backwards (found by the template fuzz target).
+        for src in ["{%}", "{%}}", "{%-}", "x{%", "{% generation -%}{%}"] {
+            let _ = rewrite_generation_blocks(src);
+            assert!(ChatTemplate::new(src).is_err(), "{src}");
+        }
     }
 
     #[test]
