@@ -16,7 +16,7 @@ use crate::config::LayerType;
 use crate::decode::draft_policy::DraftPolicy;
 use crate::decode::generate::{check_logits, prefill, validate_prompt, FinishReason, Flow, GenerateOptions, Generation, TokenLogprob};
 use crate::decode::sampling::{log_softmax, top_n, Sampler};
-use crate::model::assistant::{Assistant, DraftLogits, DraftStep};
+use crate::model::assistant::{Assistant, DraftLogits, DraftRow, DraftStep};
 use crate::model::cache::MAX_ROLLBACK;
 use crate::model::{Keep, KvCache, TargetModel};
 
@@ -48,6 +48,12 @@ pub trait Drafter {
     /// One draft step at query position `p` (the last committed token's position; the target cache holds
     /// `0..p`): the input token, the previous hidden state, and the target whose caches it may read.
     fn draft_step(&self, target: &TargetModel, cache: &KvCache, token: u32, h: &[f32], p: usize) -> DraftStep;
+
+    /// One draft step for each of several sequences (`(cache, token, h, p)` each); a drafter that can
+    /// batch them overrides this. Row i must equal `draft_step` on row i alone.
+    fn draft_batch(&self, target: &TargetModel, rows: &[(&KvCache, u32, &[f32], usize)]) -> Vec<DraftStep> {
+        rows.iter().map(|&(cache, token, h, p)| self.draft_step(target, cache, token, h, p)).collect()
+    }
 }
 
 impl Drafter for Assistant {
@@ -57,6 +63,27 @@ impl Drafter for Assistant {
         let mut emb = vec![0f32; target.cfg.hidden_size];
         target.embed_token(token, &mut emb);
         self.step(&emb, h, sliding, full, p)
+    }
+
+    /// All rows in one [`Assistant::step_batch`]: the drafter's weights are read once for all sequences.
+    fn draft_batch(&self, target: &TargetModel, rows: &[(&KvCache, u32, &[f32], usize)]) -> Vec<DraftStep> {
+        let hb = target.cfg.hidden_size;
+        let mut embs = vec![0f32; rows.len() * hb];
+        for (e, &(_, token, _, _)) in embs.chunks_exact_mut(hb).zip(rows) {
+            target.embed_token(token, e);
+        }
+        let batch: Vec<DraftRow<'_>> = rows
+            .iter()
+            .zip(embs.chunks_exact(hb))
+            .map(|(&(cache, _, h, p), embedding)| DraftRow {
+                embedding,
+                h,
+                sliding: cache.store_kv(&target.cfg, LayerType::Sliding).expect("validated pair"),
+                full: cache.store_kv(&target.cfg, LayerType::Full).expect("validated pair"),
+                p,
+            })
+            .collect();
+        self.step_batch(&batch)
     }
 }
 

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use anyhow::{bail, Result};
+use rayon::prelude::*;
 
 use crate::config::{load_assistant_config, AssistantConfig, DraftHead, LayerType};
 use crate::kernels::{self, DType};
@@ -78,6 +79,27 @@ pub struct DraftStep {
     pub logits: DraftLogits,
     /// `post_projection` of the drafter's final-normed state: the next step's `h`.
     pub hidden: Vec<f32>,
+}
+
+/// One row of a batched draft step ([`Assistant::step_batch`]): the target's scaled embedding of the input
+/// token, the previous hidden state (both of size Hb), that sequence's target store-layer K/V and the query
+/// position `p`.
+pub struct DraftRow<'a> {
+    pub embedding: &'a [f32],
+    pub h: &'a [f32],
+    pub sliding: &'a LayerKv,
+    pub full: &'a LayerKv,
+    pub p: usize,
+}
+
+impl<'a> DraftRow<'a> {
+    /// The target K/V a drafter layer of `kind` reads.
+    fn kv(&self, kind: LayerType) -> &'a LayerKv {
+        match kind {
+            LayerType::Sliding => self.sliding,
+            LayerType::Full => self.full,
+        }
+    }
 }
 
 pub struct Assistant {
@@ -170,84 +192,140 @@ impl Assistant {
 
     /// One draft step at query position `p` (docs/drafter.md, "Positions"): full layers see the donor
     /// keys `0..p`, sliding layers the last W+1 of them. `embedding` is the target's scaled embedding of the
-    /// input token and `h` the previous target (or drafter) hidden state, both of size Hb.
+    /// input token and `h` the previous target (or drafter) hidden state, both of size Hb. One row of
+    /// [`Assistant::step_batch`].
     pub fn step(&self, embedding: &[f32], h: &[f32], sliding: &LayerKv, full: &LayerKv, p: usize) -> DraftStep {
+        let row = DraftRow { embedding, h, sliding, full, p };
+        self.step_batch(&[row]).pop().expect("one step per row")
+    }
+
+    /// Draft steps for many rows at once (different sequences: each row has its own position and its own
+    /// target K/V). The matmuls (projections, MLP, head) run once over all rows, so the weights are read
+    /// once; RoPE and attention run per row. Row `i` has the bits `step` would give it alone
+    /// (docs/numerics.md, "Batch invariance").
+    pub fn step_batch(&self, rows: &[DraftRow<'_>]) -> Vec<DraftStep> {
         let t = &self.cfg.text;
-        let (dt, eps, hq) = (self.dtype, t.rms_norm_eps, t.num_heads);
-        let mut u = Vec::with_capacity(embedding.len() + h.len());
-        u.extend_from_slice(embedding);
-        u.extend_from_slice(h);
-        let mut x = vec![0f32; t.hidden_size];
-        kernels::matmul(&u, 1, self.pre_proj.mat(), &mut x);
+        let (dt, eps, hq, hb) = (self.dtype, t.rms_norm_eps, t.num_heads, self.cfg.backbone_hidden_size);
+        let n = rows.len();
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut u = Vec::with_capacity(n * 2 * hb);
+        for (i, r) in rows.iter().enumerate() {
+            assert!(
+                r.embedding.len() == hb && r.h.len() == hb,
+                "draft row {i}: embedding and h must have {hb} values (got {} and {})",
+                r.embedding.len(),
+                r.h.len()
+            );
+            u.extend_from_slice(r.embedding);
+            u.extend_from_slice(r.h);
+        }
+        let mut x = vec![0f32; n * t.hidden_size];
+        kernels::matmul(&u, n, self.pre_proj.mat(), &mut x);
         dt.round_slice(&mut x);
         for layer in &self.layers {
-            let (kv, rope) = match layer.kind {
-                LayerType::Sliding => (sliding, &self.rope_sliding),
-                LayerType::Full => (full, &self.rope_full),
+            let rope = match layer.kind {
+                LayerType::Sliding => &self.rope_sliding,
+                LayerType::Full => &self.rope_full,
             };
-            let d = kv.head_dim;
-            let a = norm_rows(&x, 1, &layer.input_norm, eps, dt);
-            let mut q = vec![0f32; hq * d];
-            kernels::matmul(&a, 1, layer.q.mat(), &mut q);
+            let d = rows[0].kv(layer.kind).head_dim;
+            let a = norm_rows(&x, n, &layer.input_norm, eps, dt);
+            let mut q = vec![0f32; n * hq * d];
+            kernels::matmul(&a, n, layer.q.mat(), &mut q);
             dt.round_slice(&mut q);
             norm_heads(&mut q, d, Some(&layer.q_norm), eps, dt);
             let (mut cos, mut sin) = (vec![0f32; d / 2], vec![0f32; d / 2]);
-            rope.angles(p, dt, &mut cos, &mut sin);
-            rope.apply(&mut q, &cos, &sin, dt);
+            for (qr, r) in q.chunks_exact_mut(hq * d).zip(rows) {
+                rope.angles(r.p, dt, &mut cos, &mut sin);
+                rope.apply(qr, &cos, &sin, dt);
+            }
             // No causal mask: every donor key is in the past. Sliding layers keep W+1 of them
             // (docs/drafter.md, "Which target K/V it reads").
-            let lo = match layer.kind {
-                LayerType::Sliding => p.saturating_sub(t.sliding_window + 1),
-                LayerType::Full => 0,
+            let mut o = vec![0f32; n * hq * d];
+            let attend_row = |((qr, or), r): ((&[f32], &mut [f32]), &DraftRow<'_>)| {
+                let (p, kv) = (r.p, r.kv(layer.kind));
+                debug_assert_eq!(kv.head_dim, d, "every row's K/V has the layer's head_dim");
+                let lo = match layer.kind {
+                    LayerType::Sliding => p.saturating_sub(t.sliding_window + 1),
+                    LayerType::Full => 0,
+                };
+                attend(qr, kv, 1, hq, |_| lo..p, dt, or);
             };
-            let mut o = vec![0f32; hq * d];
-            attend(&q, kv, 1, hq, |_| lo..p, dt, &mut o);
-            let mut out = vec![0f32; t.hidden_size];
-            kernels::matmul(&o, 1, layer.o.mat(), &mut out);
+            if n > 1 {
+                q.par_chunks_exact(hq * d).zip(o.par_chunks_exact_mut(hq * d)).zip(rows).for_each(attend_row);
+            } else {
+                q.chunks_exact(hq * d).zip(o.chunks_exact_mut(hq * d)).zip(rows).for_each(attend_row);
+            }
+            let mut out = vec![0f32; n * t.hidden_size];
+            kernels::matmul(&o, n, layer.o.mat(), &mut out);
             dt.round_slice(&mut out);
             add_normed(&mut x, &out, &layer.post_attn_norm, eps, dt);
-            let xn = norm_rows(&x, 1, &layer.pre_ff_norm, eps, dt);
-            let m = gelu_mlp(&xn, 1, layer.gate.mat(), layer.up.mat(), layer.down.mat(), dt);
+            let xn = norm_rows(&x, n, &layer.pre_ff_norm, eps, dt);
+            let m = gelu_mlp(&xn, n, layer.gate.mat(), layer.up.mat(), layer.down.mat(), dt);
             add_normed(&mut x, &m, &layer.post_ff_norm, eps, dt);
             let s = layer.scalar;
             x.iter_mut().for_each(|v| *v *= s);
             dt.round_slice(&mut x);
         }
-        let hd = norm_rows(&x, 1, &self.final_norm, eps, dt);
-        let mut hidden = vec![0f32; self.cfg.backbone_hidden_size];
-        kernels::matmul(&hd, 1, self.post_proj.mat(), &mut hidden);
+        let hd = norm_rows(&x, n, &self.final_norm, eps, dt);
+        let mut hidden = vec![0f32; n * hb];
+        kernels::matmul(&hd, n, self.post_proj.mat(), &mut hidden);
         dt.round_slice(&mut hidden);
-        DraftStep { logits: self.head(&hd), hidden }
+        let logits = self.head(&hd, n);
+        if n == 1 {
+            return logits
+                .into_iter()
+                .map(|logits| DraftStep { logits, hidden: std::mem::take(&mut hidden) })
+                .collect();
+        }
+        logits
+            .into_iter()
+            .zip(hidden.chunks_exact(hb))
+            .map(|(logits, h)| DraftStep { logits, hidden: h.to_vec() })
+            .collect()
     }
 
-    fn head(&self, hd: &[f32]) -> DraftLogits {
+    /// The head over the `n` rows of `hd`: one matmul for all rows (the tied head's logits, or the
+    /// centroid scores), then, for the centroid head, each row's candidates.
+    fn head(&self, hd: &[f32], n: usize) -> Vec<DraftLogits> {
         let dt = self.dtype;
         let embed = self.embed.mat();
         let Some(c) = &self.centroids else {
-            let mut logits = vec![0f32; embed.rows];
-            kernels::matmul(hd, 1, embed, &mut logits);
+            let mut logits = vec![0f32; n * embed.rows];
+            kernels::matmul(hd, n, embed, &mut logits);
             dt.round_slice(&mut logits);
-            return DraftLogits::Full(logits);
+            if n == 1 {
+                return vec![DraftLogits::Full(logits)];
+            }
+            return logits.chunks_exact(embed.rows).map(|l| DraftLogits::Full(l.to_vec())).collect();
         };
         let num_c = c.weight.shape[0];
-        let mut scores = vec![0f32; num_c];
-        kernels::matmul(hd, 1, c.weight.mat(), &mut scores);
-        dt.round_slice(&mut scores);
-        // The top-k clusters (which of equal scores win is immaterial: ties at the boundary are measure-zero
-        // for trained weights, and any choice is a valid draft under lossless verification).
-        let mut order: Vec<u32> = (0..num_c as u32).collect();
-        order.select_nth_unstable_by(c.top_k - 1, |&a, &b| {
-            scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b))
-        });
+        let mut all_scores = vec![0f32; n * num_c];
+        kernels::matmul(hd, n, c.weight.mat(), &mut all_scores);
+        dt.round_slice(&mut all_scores);
         let per = embed.rows / num_c;
-        let mut ids = Vec::with_capacity(c.top_k * per);
-        for &cl in &order[..c.top_k] {
-            ids.extend_from_slice(&c.ordering[cl as usize * per..(cl as usize + 1) * per]);
+        let width = hd.len() / n;
+        let mut order: Vec<u32> = Vec::with_capacity(num_c);
+        let mut out = Vec::with_capacity(n);
+        for (scores, x) in all_scores.chunks_exact(num_c).zip(hd.chunks_exact(width)) {
+            // The top-k clusters (which of equal scores win is immaterial: ties at the boundary are
+            // measure-zero for trained weights, and any choice is a valid draft under lossless verification).
+            order.clear();
+            order.extend(0..num_c as u32);
+            order.select_nth_unstable_by(c.top_k - 1, |&a, &b| {
+                scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b))
+            });
+            let mut ids = Vec::with_capacity(c.top_k * per);
+            for &cl in &order[..c.top_k] {
+                ids.extend_from_slice(&c.ordering[cl as usize * per..(cl as usize + 1) * per]);
+            }
+            let mut logits = vec![0f32; ids.len()];
+            kernels::matmul_gather(x, embed, &ids, &mut logits);
+            dt.round_slice(&mut logits);
+            out.push(DraftLogits::Sparse { ids, logits });
         }
-        let mut logits = vec![0f32; ids.len()];
-        kernels::matmul_gather(hd, embed, &ids, &mut logits);
-        dt.round_slice(&mut logits);
-        DraftLogits::Sparse { ids, logits }
+        out
     }
 }
 

@@ -7,4 +7,4 @@ pub mod rope;
 pub mod target;
 
 pub use cache::KvCache;
-pub use target::{Forward, Keep, TargetModel};
+pub use target::{Forward, Keep, SeqInput, TargetModel};

@@ -44,6 +44,26 @@ impl Forward {
     }
 }
 
+/// One sequence of a batched forward ([`TargetModel::forward_batch`]): its cache, the tokens to run at
+/// positions `cache.len()..` (a prefill chunk, one decode row, or a verify's 1 + k rows) and which rows'
+/// outputs it wants.
+pub struct SeqInput<'a> {
+    pub cache: &'a mut KvCache,
+    pub tokens: &'a [u32],
+    pub keep: Keep,
+}
+
+/// Where one sequence's rows sit in the buffers of a batched forward.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    /// Its first row in the batch.
+    at: usize,
+    /// Its rows still computed.
+    rows: usize,
+    /// The position of its first computed row.
+    pos: usize,
+}
+
 struct Attention {
     q: Tensor,
     q_norm: Vec<f32>,
@@ -161,7 +181,9 @@ impl TargetModel {
             let attn = Attention {
                 q: store.require(&format!("{p}self_attn.q_proj.weight"), &[hq * d, h])?,
                 q_norm: vec(&format!("{p}self_attn.q_norm.weight"), d)?,
-                k: (!reuse).then(|| store.require(&format!("{p}self_attn.k_proj.weight"), &[kvh * d, h])).transpose()?,
+                k: (!reuse)
+                    .then(|| store.require(&format!("{p}self_attn.k_proj.weight"), &[kvh * d, h]))
+                    .transpose()?,
                 v: (!reuse && !lc.k_eq_v)
                     .then(|| store.require(&format!("{p}self_attn.v_proj.weight"), &[kvh * d, h]))
                     .transpose()?,
@@ -233,7 +255,12 @@ impl TargetModel {
     /// Bytes of weights that decoding keeps reading: one step's, plus every MoE expert (over many
     /// tokens the router picks them all). When they do not fit in memory, each token pages from disk.
     pub fn working_set_bytes(&self) -> usize {
-        let experts: usize = self.layers.iter().filter_map(|l| l.moe.as_ref()).map(|m| m.gate_up.bytes().len() + m.down.bytes().len()).sum();
+        let experts: usize = self
+            .layers
+            .iter()
+            .filter_map(|l| l.moe.as_ref())
+            .map(|m| m.gate_up.bytes().len() + m.down.bytes().len())
+            .sum();
         let chosen: usize = match self.cfg.moe {
             Some(mc) => self
                 .layers
@@ -277,66 +304,128 @@ impl TargetModel {
     }
 
     /// Run `tokens` at positions `cache.len()..`, appending to the cache. Returns logits and hidden states
-    /// of every row (`Keep::All`) or of the last one.
+    /// of every row (`Keep::All`) or of the last one. One sequence of [`TargetModel::forward_batch`].
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], keep: Keep) -> Result<Forward> {
+        let mut seqs = [SeqInput { cache, tokens, keep }];
+        Ok(self.forward_batch(&mut seqs)?.pop().expect("one result per sequence"))
+    }
+
+    /// One forward over many sequences at once (continuous batching): each has its own cache, positions
+    /// (`cache.len()..`), rows and [`Keep`]. The rows of all sequences are concatenated so that every weight
+    /// matmul runs once over all of them (the weights are read once per step); RoPE, the cache append and
+    /// attention run per sequence. Result `i` has the bits `forward(seqs[i])` alone would give, and the
+    /// caches end up the same, because every kernel gives a row the same bits whatever it is batched with
+    /// (docs/numerics.md, "Batch invariance"). On an error no cache has changed.
+    pub fn forward_batch(&self, seqs: &mut [SeqInput<'_>]) -> Result<Vec<Forward>> {
         let cfg = &self.cfg;
         let (h_dim, dt) = (cfg.hidden_size, self.dtype);
-        if tokens.is_empty() {
-            bail!("forward needs at least one token");
+        let named = |i: usize| if seqs.len() > 1 { format!("sequence {i} of the batch: ") } else { String::new() };
+        for (i, s) in seqs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                bail!("{}forward needs at least one token", named(i));
+            }
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                bail!("{}token id {t} is outside the vocabulary of {} tokens", named(i), cfg.vocab_size);
+            }
         }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            bail!("token id {t} is outside the vocabulary of {} tokens", cfg.vocab_size);
+        if seqs.is_empty() {
+            return Ok(Vec::new());
         }
-        let n = tokens.len();
-        let pos0 = cache.len();
+        let mut spans = Vec::with_capacity(seqs.len());
+        let mut n = 0;
+        for s in seqs.iter() {
+            spans.push(Span { at: n, rows: s.tokens.len(), pos: s.cache.len() });
+            n += s.tokens.len();
+        }
 
         // Embeddings.
         let mut h = vec![0f32; n * h_dim];
-        for (row, &t) in h.chunks_exact_mut(h_dim).zip(tokens) {
-            self.embed_token(t, row);
+        let mut rows_out = h.chunks_exact_mut(h_dim);
+        for s in seqs.iter() {
+            // The shorter iterator first: `zip` would take (and lose) one more row otherwise.
+            for (&t, row) in s.tokens.iter().zip(rows_out.by_ref()) {
+                self.embed_token(t, row);
+            }
         }
-        let mut ple_in = self.ple_inputs(tokens, &h);
+        let mut ple_in = match seqs {
+            [one] => self.ple_inputs(one.tokens, &h),
+            _ => self.ple_inputs(&seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(), &h),
+        };
+        let ple_width = cfg.ple.map_or(0, |p| cfg.num_layers() * p.dim);
 
-        // Rows still computed; reuse layers never write the cache, so past the first reuse layer only the
-        // rows whose outputs are wanted need to run.
-        let mut first_row = 0;
+        // Reuse layers never write the cache, so past the first reuse layer only the rows whose outputs are
+        // wanted need to run: there, each `Keep::Last` sequence keeps its last row only.
         let first_reuse = cfg.layers.iter().position(|l| l.kv_mode == KvMode::Reuse);
         for (li, layer) in self.layers.iter().enumerate() {
-            if keep == Keep::Last && Some(li) == first_reuse && n - first_row > 1 {
-                first_row = n - 1;
-                h.drain(..(n - 1) * h_dim);
-                if let (Some(p), Some(pin)) = (cfg.ple, ple_in.as_mut()) {
-                    pin.drain(..(n - 1) * cfg.num_layers() * p.dim);
+            if Some(li) == first_reuse && seqs.iter().zip(&spans).any(|(s, sp)| s.keep == Keep::Last && sp.rows > 1) {
+                let mut to = 0;
+                for (s, sp) in seqs.iter().zip(spans.iter_mut()) {
+                    let skip = if s.keep == Keep::Last { sp.rows - 1 } else { 0 };
+                    let (from, rows) = (sp.at + skip, sp.rows - skip);
+                    h.copy_within(from * h_dim..(from + rows) * h_dim, to * h_dim);
+                    if let Some(pin) = ple_in.as_mut() {
+                        pin.copy_within(from * ple_width..(from + rows) * ple_width, to * ple_width);
+                    }
+                    *sp = Span { at: to, rows, pos: sp.pos + skip };
+                    to += rows;
+                }
+                n = to;
+                h.truncate(n * h_dim);
+                if let Some(pin) = ple_in.as_mut() {
+                    pin.truncate(n * ple_width);
                 }
             }
-            let rows = n - first_row;
-            self.attention_block(li, layer, cache, &mut h, rows, pos0 + first_row, pos0);
-            self.mlp_block(layer, &mut h, rows);
+            self.attention_block(li, layer, seqs, &spans, &mut h, n);
+            self.mlp_block(layer, &mut h, n);
             if let (Some(lp), Some(pin), Some(pc)) = (&layer.ple, ple_in.as_ref(), cfg.ple) {
-                self.ple_block(li, lp, pc.dim, pin, &mut h, rows);
+                self.ple_block(li, lp, pc.dim, pin, &mut h, n);
             }
             let s = layer.scalar;
             h.iter_mut().for_each(|x| *x *= s);
             dt.round_slice(&mut h);
         }
-        cache.advance(tokens);
+        for s in seqs.iter_mut() {
+            s.cache.advance(s.tokens);
+        }
 
-        // Final norm and head over the kept rows.
-        let rows = n - first_row;
-        let skip = if keep == Keep::Last { rows - 1 } else { 0 };
-        let kept = rows - skip;
-        let mut hidden = vec![0f32; kept * h_dim];
-        for (o, x) in hidden.chunks_exact_mut(h_dim).zip(h[skip * h_dim..].chunks_exact(h_dim)) {
-            kernels::rms_norm(x, Some(&self.final_norm), cfg.rms_norm_eps, o);
+        // Final norm and head over the kept rows of every sequence at once.
+        let kept: Vec<usize> =
+            seqs.iter().zip(&spans).map(|(s, sp)| if s.keep == Keep::Last { 1 } else { sp.rows }).collect();
+        let total: usize = kept.iter().sum();
+        let mut hidden = vec![0f32; total * h_dim];
+        let mut out_rows = hidden.chunks_exact_mut(h_dim);
+        for (sp, &k) in spans.iter().zip(&kept) {
+            let rows = &h[(sp.at + sp.rows - k) * h_dim..(sp.at + sp.rows) * h_dim];
+            for (x, o) in rows.chunks_exact(h_dim).zip(out_rows.by_ref()) {
+                kernels::rms_norm(x, Some(&self.final_norm), cfg.rms_norm_eps, o);
+            }
         }
         dt.round_slice(&mut hidden);
-        let mut logits = vec![0f32; kept * cfg.vocab_size];
-        kernels::matmul(&hidden, kept, self.lm_head.mat(), &mut logits);
+        let mut logits = vec![0f32; total * cfg.vocab_size];
+        kernels::matmul(&hidden, total, self.lm_head.mat(), &mut logits);
         logits.par_chunks_mut(1 << 16).for_each(|chunk| dt.round_slice(chunk));
         if let Some(c) = cfg.final_logit_softcapping {
             logits.par_chunks_mut(1 << 16).for_each(|chunk| kernels::softcap(chunk, c, dt));
         }
-        Ok(Forward { rows: kept, logits, hidden })
+
+        // Split per sequence, from the back (the first sequence keeps the buffers).
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut end = total;
+        for &k in kept.iter().rev() {
+            end -= k;
+            let (mut l, mut hs) = if end == 0 {
+                (std::mem::take(&mut logits), std::mem::take(&mut hidden))
+            } else {
+                (logits.split_off(end * cfg.vocab_size), hidden.split_off(end * h_dim))
+            };
+            if seqs.len() > 1 {
+                l.shrink_to_fit();
+                hs.shrink_to_fit();
+            }
+            out.push(Forward { rows: k, logits: l, hidden: hs });
+        }
+        out.reverse();
+        Ok(out)
     }
 
     /// Per-layer inputs `[n, L, P]` (docs/model.md, "Per-layer embeddings (PLE)"), if the model has PLE.
@@ -373,25 +462,35 @@ impl TargetModel {
         Some(ctx)
     }
 
-    /// `h += post_attn_norm(o_proj(attention(input_norm(h))))` for `rows` rows starting at position `pos`.
-    #[allow(clippy::too_many_arguments)]
+    /// `h += post_attn_norm(o_proj(attention(input_norm(h))))` over the `rows` rows of all sequences
+    /// (`spans` says where each sequence's rows sit and at which position they start): projections over
+    /// all rows at once, RoPE at each row's position, cache append and attention per sequence.
     fn attention_block(
         &self,
         li: usize,
         layer: &Layer,
-        cache: &mut KvCache,
+        seqs: &mut [SeqInput<'_>],
+        spans: &[Span],
         h: &mut [f32],
         rows: usize,
-        pos: usize,
-        cache_pos0: usize,
     ) {
         let cfg = &self.cfg;
         let lc = &cfg.layers[li];
-        let (h_dim, d, hq, kvh, dt, eps) = (cfg.hidden_size, lc.head_dim, cfg.num_heads, lc.kv_heads, self.dtype, cfg.rms_norm_eps);
+        let (h_dim, d, hq, kvh, dt, eps) =
+            (cfg.hidden_size, lc.head_dim, cfg.num_heads, lc.kv_heads, self.dtype, cfg.rms_norm_eps);
         let a = norm_rows(h, rows, &layer.input_norm, eps, dt);
         let rope = if lc.kind == LayerType::Sliding { &self.rope_sliding } else { &self.rope_full };
         let mut cos = vec![0f32; d / 2];
         let mut sin = vec![0f32; d / 2];
+        // Apply RoPE to every row of `x` (`[rows, width]`) at that row's own position.
+        let mut rope_rows = |x: &mut [f32], width: usize| {
+            for sp in spans {
+                for r in 0..sp.rows {
+                    rope.angles(sp.pos + r, dt, &mut cos, &mut sin);
+                    rope.apply(&mut x[(sp.at + r) * width..(sp.at + r + 1) * width], &cos, &sin, dt);
+                }
+            }
+        };
 
         let mut q = vec![0f32; rows * hq * d];
         kernels::matmul(&a, rows, layer.attn.q.mat(), &mut q);
@@ -414,24 +513,38 @@ impl TargetModel {
             };
             norm_heads(&mut k, d, layer.attn.k_norm.as_deref(), eps, dt);
             norm_heads(&mut v, d, None, eps, dt);
-            for r in 0..rows {
-                rope.angles(pos + r, dt, &mut cos, &mut sin);
-                rope.apply(&mut k[r * kvh * d..(r + 1) * kvh * d], &cos, &sin, dt);
+            rope_rows(&mut k, kvh * d);
+            let w = kvh * d;
+            for (s, sp) in seqs.iter_mut().zip(spans) {
+                debug_assert_eq!(sp.pos, s.cache.len(), "layers that write the cache see every row");
+                let at = sp.at * w..(sp.at + sp.rows) * w;
+                s.cache.append(li, &k[at.clone()], &v[at]);
             }
-            debug_assert_eq!(pos, cache_pos0, "layers that write the cache see every row");
-            cache.append(li, &k, &v);
         }
-        for r in 0..rows {
-            rope.angles(pos + r, dt, &mut cos, &mut sin);
-            rope.apply(&mut q[r * hq * d..(r + 1) * hq * d], &cos, &sin, dt);
-        }
+        rope_rows(&mut q, hq * d);
 
-        let kv = cache.layer(lc.kv_source);
         // Causal; sliding layers see W keys including their own position (docs/model.md, "Masks and windows").
         let window = if lc.kind == LayerType::Sliding { cfg.sliding_window } else { usize::MAX };
-        let keys = |r: usize| (pos + r + 1).saturating_sub(window)..pos + r + 1;
         let mut o = vec![0f32; rows * hq * d];
-        attend(&q, kv, rows, hq, keys, dt, &mut o);
+        let w = hq * d;
+        let attend_one = |(s, sp, o): (&SeqInput<'_>, &Span, &mut [f32])| {
+            let pos = sp.pos;
+            let keys = |r: usize| (pos + r + 1).saturating_sub(window)..pos + r + 1;
+            attend(&q[sp.at * w..(sp.at + sp.rows) * w], s.cache.layer(lc.kv_source), sp.rows, hq, keys, dt, o);
+        };
+        let mut outs = Vec::with_capacity(spans.len());
+        let mut rest = &mut o[..];
+        for sp in spans {
+            let (mine, tail) = rest.split_at_mut(sp.rows * w);
+            outs.push(mine);
+            rest = tail;
+        }
+        let work: Vec<_> = seqs.iter().zip(spans).zip(outs).map(|((s, sp), o)| (&*s, sp, o)).collect();
+        if work.len() > 1 {
+            work.into_par_iter().for_each(attend_one);
+        } else {
+            work.into_iter().for_each(attend_one);
+        }
 
         let mut out = vec![0f32; rows * h_dim];
         kernels::matmul(&o, rows, layer.attn.o.mat(), &mut out);
