@@ -556,3 +556,223 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
         draft_step_ratio: draft_step / target_step.max(1e-12),
     })
 }
+
+/// `tandem bench --concurrency`: streams through the engine's scheduler.
+pub struct ConcurrencyOptions {
+    /// Concurrent requests to measure, each level in turn.
+    pub levels: Vec<usize>,
+    /// Prompt tokens per request.
+    pub prompt_tokens: usize,
+    /// New tokens per request.
+    pub new_tokens: usize,
+    /// Drafting to compare with plain decoding (needs an assistant).
+    pub draft: Option<crate::decode::draft_policy::DraftLength>,
+    /// Repetitions of each (level, mode), interleaved; medians are reported.
+    pub repeats: usize,
+    /// When not 0: once every stream has its first token, a request with a prompt this long joins (and
+    /// generates one token); the latencies then show what its prefill costs the running streams.
+    pub join_prompt: usize,
+}
+
+/// One (concurrency, drafting) measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct ConcurrencyRow {
+    pub concurrency: usize,
+    /// "off", or the draft setting.
+    pub draft: String,
+    /// Generated tokens of all streams per second of the run, prefill included.
+    pub aggregate_tokens_per_s: f64,
+    /// Median over streams of (tokens after the first) / (time from first to last token).
+    pub per_stream_decode_tokens_per_s: f64,
+    pub ttft_ms_p50: f64,
+    pub itl_ms_p50: f64,
+    pub itl_ms_p99: f64,
+    /// Mean rows per target forward.
+    pub rows_per_step: f64,
+    pub acceptance_rate: f64,
+}
+
+#[derive(Serialize)]
+pub struct ConcurrencyReport {
+    pub model: String,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    pub rows: Vec<ConcurrencyRow>,
+}
+
+impl ConcurrencyReport {
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "{}; {} prompt tokens and {} new tokens per request, greedy; medians of the repetitions\n",
+            self.model, self.prompt_tokens, self.new_tokens
+        );
+        s += "streams  draft  aggregate tok/s  vs 1 stream  per-stream tok/s  TTFT ms  ITL p50 ms  ITL p99 ms  rows/step  accepted\n";
+        for r in &self.rows {
+            let base = self
+                .rows
+                .iter()
+                .find(|b| b.concurrency == 1 && b.draft == "off")
+                .map_or(f64::NAN, |b| r.aggregate_tokens_per_s / b.aggregate_tokens_per_s);
+            s += &format!(
+                "{:>7}  {:>5}  {:>15.1}  {:>10.2}x  {:>16.1}  {:>7.0}  {:>10.1}  {:>10.1}  {:>9.1}  {:>7.0}%\n",
+                r.concurrency,
+                r.draft,
+                r.aggregate_tokens_per_s,
+                base,
+                r.per_stream_decode_tokens_per_s,
+                r.ttft_ms_p50,
+                r.itl_ms_p50,
+                r.itl_ms_p99,
+                r.rows_per_step,
+                100.0 * r.acceptance_rate
+            );
+        }
+        s
+    }
+}
+
+fn percentile(mut xs: Vec<f64>, q: f64) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    xs.sort_by(|a, b| a.total_cmp(b));
+    xs[((xs.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Run `c` requests at once through a scheduler until all end; one row of the report.
+fn concurrency_once(
+    models: &crate::engine::Models,
+    c: usize,
+    opts: &ConcurrencyOptions,
+    draft: Option<crate::decode::draft_policy::DraftLength>,
+    salt: u64,
+) -> Result<ConcurrencyRow> {
+    use crate::engine::{Event, Limits, Prompt, Request, Scheduler};
+    let vocab = models.target.cfg.vocab_size as u64;
+    let gen = crate::decode::generate::GenerateOptions {
+        max_new_tokens: opts.new_tokens,
+        ignore_eos: true,
+        sampling: crate::decode::sampling::SamplingParams::default(),
+        top_logprobs: None,
+        context_limit: models.target.cfg.max_position_embeddings,
+    };
+    let mut s = Scheduler::new(models, Limits { max_active: c + 1, pool: 0, ..Limits::default() });
+    let t0 = Instant::now();
+    let mut handles = Vec::new();
+    for r in 0..c {
+        let ids: Vec<u32> =
+            (0..opts.prompt_tokens as u64).map(|i| 3 + ((i * 7919 + (r as u64 + salt) * 104_729) % (vocab - 3)) as u32).collect();
+        let req = Request {
+            prompt: Prompt::Ids(ids),
+            opts: gen.clone(),
+            stop: Vec::new(),
+            show_thinking: false,
+            draft: draft.map(Into::into),
+            trace: false,
+        };
+        handles.push(s.submit(req)?);
+    }
+    // Per stream: the arrival time of each token.
+    let mut arrivals: Vec<Vec<f64>> = vec![Vec::new(); c];
+    let (mut steps, mut rows, mut drafted, mut accepted) = (0usize, 0usize, 0usize, 0usize);
+    let mut open = c;
+    let mut joiner = None;
+    while open > 0 {
+        if opts.join_prompt > 0 && joiner.is_none() && arrivals.iter().all(|a| !a.is_empty()) {
+            let ids: Vec<u32> = (0..opts.join_prompt as u64).map(|i| 3 + ((i * 15_485_863 + salt) % (vocab - 3)) as u32).collect();
+            let o = crate::decode::generate::GenerateOptions { max_new_tokens: 1, ..gen.clone() };
+            let req = Request { prompt: Prompt::Ids(ids), opts: o, stop: Vec::new(), show_thinking: false, draft: None, trace: false };
+            joiner = Some(s.submit(req)?);
+        }
+        let report = s.step();
+        if report.rows > 0 {
+            steps += 1;
+            rows += report.rows;
+        }
+        let now = t0.elapsed().as_secs_f64();
+        for (h, a) in handles.iter().zip(arrivals.iter_mut()) {
+            while let Some(e) = h.try_recv() {
+                match e {
+                    Event::Tokens { ids, .. } => a.extend(std::iter::repeat_n(now, ids.len())),
+                    Event::Done(o) => {
+                        open -= 1;
+                        if let Some(sp) = o.spec {
+                            drafted += sp.drafted_tokens;
+                            accepted += sp.accepted_tokens;
+                        }
+                    }
+                    Event::Error(e) => bail!("a benchmark request failed: {e}"),
+                }
+            }
+        }
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    drop(joiner);
+    let total: usize = arrivals.iter().map(Vec::len).sum();
+    let per_stream: Vec<f64> = arrivals
+        .iter()
+        .filter(|a| a.len() > 1)
+        .map(|a| (a.len() - 1) as f64 / (a[a.len() - 1] - a[0]).max(1e-9))
+        .collect();
+    // Inter-token latency: a run of k tokens that arrive together after a gap g counts k gaps of g / k.
+    let mut itl = Vec::new();
+    for a in &arrivals {
+        let mut i = 1;
+        while i < a.len() {
+            let mut j = i;
+            while j + 1 < a.len() && a[j + 1] == a[i] {
+                j += 1;
+            }
+            let k = j - i + 1;
+            let gap = (a[i] - a[i - 1]) / k as f64;
+            itl.extend(std::iter::repeat_n(gap * 1e3, k));
+            i = j + 1;
+        }
+    }
+    Ok(ConcurrencyRow {
+        concurrency: c,
+        draft: draft.map_or("off".into(), |d| d.to_string()),
+        aggregate_tokens_per_s: total as f64 / wall,
+        per_stream_decode_tokens_per_s: percentile(per_stream, 0.5),
+        ttft_ms_p50: percentile(arrivals.iter().filter_map(|a| a.first()).map(|t| t * 1e3).collect(), 0.5),
+        itl_ms_p50: percentile(itl.clone(), 0.5),
+        itl_ms_p99: percentile(itl, 0.99),
+        rows_per_step: rows as f64 / steps.max(1) as f64,
+        acceptance_rate: if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
+    })
+}
+
+/// Every concurrency level with drafting off and (with an assistant) on, interleaved `repeats` times;
+/// each row is the median repetition (by aggregate throughput).
+pub fn run_concurrency(models: &crate::engine::Models, name: &str, opts: &ConcurrencyOptions, log: impl Fn(&str)) -> Result<ConcurrencyReport> {
+    if opts.levels.is_empty() || opts.levels.iter().any(|&c| c == 0 || c > 256) {
+        bail!("--concurrency takes levels from 1 to 256, e.g. 1,2,4,8");
+    }
+    if opts.prompt_tokens == 0 || opts.new_tokens == 0 {
+        bail!("--prefill and --decode must be at least 1");
+    }
+    let ctx = models.target.cfg.max_position_embeddings;
+    if opts.prompt_tokens.saturating_add(opts.new_tokens) >= ctx {
+        bail!("--prefill {} + --decode {} exceed the model's context of {ctx} positions", opts.prompt_tokens, opts.new_tokens);
+    }
+    let modes: Vec<Option<crate::decode::draft_policy::DraftLength>> = match (opts.draft, &models.assistant) {
+        (Some(d), Some(_)) => vec![None, Some(d)],
+        (Some(_), None) => bail!("drafting in the concurrency bench needs an assistant"),
+        (None, _) => vec![None],
+    };
+    let mut rows = Vec::new();
+    for &c in &opts.levels {
+        let mut runs: Vec<Vec<ConcurrencyRow>> = vec![Vec::new(); modes.len()];
+        for rep in 0..opts.repeats.max(1) {
+            for (m, &mode) in modes.iter().enumerate() {
+                log(&format!("{c} streams, draft {}, run {}/{}", mode.map_or("off".into(), |d| d.to_string()), rep + 1, opts.repeats.max(1)));
+                runs[m].push(concurrency_once(models, c, opts, mode, rep as u64 * 1000)?);
+            }
+        }
+        for mut r in runs {
+            r.sort_by(|a, b| a.aggregate_tokens_per_s.total_cmp(&b.aggregate_tokens_per_s));
+            rows.push(r[r.len() / 2].clone());
+        }
+    }
+    Ok(ConcurrencyReport { model: name.to_string(), prompt_tokens: opts.prompt_tokens, new_tokens: opts.new_tokens, rows })
+}

@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod config;
 pub mod decode;
+pub mod engine;
 pub mod files;
 pub mod kernels;
 pub mod model;

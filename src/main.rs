@@ -1,6 +1,5 @@
 //! The `tandem` command line.
 
-use std::cell::{Cell, RefCell};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -15,14 +14,15 @@ use serde_json::json;
 use tandem::bench::{self, BenchOptions, Preset};
 use tandem::config::validate_pair;
 use tandem::decode::draft_policy::{DraftLength, DraftPolicy, MAX_DRAFT};
-use tandem::decode::generate::{generate_until, FinishReason, Flow, GenerateOptions, Generation};
+use tandem::decode::generate::{FinishReason, GenerateOptions, Generation};
 use tandem::decode::sampling::SamplingParams;
-use tandem::decode::speculative::{generate_speculative_until, SpecStats};
+use tandem::decode::speculative::SpecStats;
+use tandem::engine::{Engine, Event, Limits, Models, Outcome, Prompt, Request};
 use tandem::model::assistant::Assistant;
-use tandem::model::{KvCache, TargetModel};
+use tandem::model::TargetModel;
 use tandem::params;
 use tandem::text::stream::terminal_safe;
-use tandem::text::{has_tokenizer, ChatTemplate, RenderOptions, TextStream, TextTokenizer, TOKENIZER_FILE};
+use tandem::text::{has_tokenizer, ChatTemplate, TextTokenizer, TOKENIZER_FILE};
 
 #[derive(Parser)]
 #[command(name = "tandem", version, about = "Gemma 4 on CPU, with speculative decoding by its assistant drafters")]
@@ -161,20 +161,36 @@ struct BenchArgs {
     draft_steps: usize,
     /// Instead: run held-out prompts greedily with and without drafting on a real pair (default: the
     /// pair that ships in models/default) and report acceptance and the decode speed-up.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "concurrency")]
     pair: bool,
-    /// --pair: target model directory.
-    #[arg(long, requires = "pair")]
+    /// Instead: run this many requests at once through the engine, for each level (e.g. 1,2,4,8), with
+    /// drafting off and on; --prefill and --decode are each request's prompt and new tokens. Model: the
+    /// random preset (with its random drafter), or --model [--assistant].
+    #[arg(long, value_name = "LEVELS")]
+    concurrency: Option<String>,
+    /// --concurrency: repetitions of each measurement (interleaved; medians reported).
+    #[arg(long, allow_hyphen_values = true, default_value_t = 3)]
+    repeats: usize,
+    /// --concurrency: measure plain decoding only.
+    #[arg(long)]
+    no_draft: bool,
+    /// --concurrency: once the streams run, a request with a prompt of N tokens joins (its prefill shows
+    /// in the streams' inter-token latency).
+    #[arg(long, value_name = "N", allow_hyphen_values = true, default_value_t = 0)]
+    join_prompt: usize,
+    /// --pair, --concurrency: target model directory.
+    #[arg(long)]
     model: Option<PathBuf>,
-    /// --pair: assistant directory.
-    #[arg(long, requires = "pair")]
+    /// --pair, --concurrency: assistant directory.
+    #[arg(long)]
     assistant: Option<PathBuf>,
     /// --pair: JSON list of prompts (objects with `ids`, or lists of ids).
     #[arg(long, requires = "pair")]
     prompts: Option<PathBuf>,
-    /// --pair: draft tokens per round (a number or `auto`).
-    #[arg(long, requires = "pair", default_value = "4")]
-    draft_tokens: String,
+    /// --pair, --concurrency: draft tokens per round (a number or `auto`; default 4 for --pair, auto for
+    /// --concurrency).
+    #[arg(long)]
+    draft_tokens: Option<String>,
     /// --pair: tokens generated per prompt.
     #[arg(long, requires = "pair", allow_hyphen_values = true, default_value_t = 64)]
     max_new_tokens: usize,
@@ -258,18 +274,16 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// A loaded model (and assistant) with its generation settings and, when it has one, its tokenizer.
+/// A loaded model (and assistant) on the engine, with the run's generation settings.
 struct Session {
-    model: TargetModel,
-    assistant: Option<Assistant>,
+    engine: Engine,
+    opts: GenerateOptions,
     /// With an assistant: the draft-length policy, kept for the whole session so that `auto` carries
     /// what it learned from one turn to the next, and whether drafting is on (chat's `/draft` switches it).
-    draft: Option<RefCell<DraftPolicy>>,
-    drafting: Cell<bool>,
-    /// The K/V of the last run: the next prompt reuses the part it starts with (a chat's earlier turns).
-    cache: RefCell<KvCache>,
-    opts: GenerateOptions,
-    tokenizer: Option<TextTokenizer>,
+    draft: Option<DraftPolicy>,
+    drafting: bool,
+    stop: Vec<String>,
+    show_thinking: bool,
 }
 
 /// How much the run needs the tokenizer.
@@ -306,7 +320,7 @@ impl RunArgs {
     }
 }
 
-fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logprobs: Option<usize>, trace: bool) -> Result<Session> {
+fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logprobs: Option<usize>, trace: bool, chat: bool) -> Result<Session> {
     let model_dir = run.model_dir()?;
     let assistant_dir = run.assistant_dir();
     let sampling = SamplingParams {
@@ -368,18 +382,26 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
     if assistant_dir.is_none() && (run.draft_tokens.is_some() || trace) {
         bail!("--draft-tokens and --trace need --assistant");
     }
-    let draft_len = match (&assistant, run.draft_tokens.as_deref()) {
-        (None, _) => None,
-        (Some(_), Some(k)) => Some(DraftLength::parse(k)?),
-        (Some(a), None) => Some(match a.cfg.num_assistant_tokens {
-            Some(k) => DraftLength::Fixed(k.min(MAX_DRAFT)),
-            None => DraftLength::Auto,
-        }),
+    let setting = run.draft_tokens.as_deref().map(DraftLength::parse).transpose()?;
+    let template = match (&tokenizer, chat) {
+        (Some(tok), true) => {
+            let src = tok.chat_template().ok_or_else(|| {
+                anyhow!(
+                    "{} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json); use --prompt",
+                    tok.dir().display()
+                )
+            })?;
+            Some(ChatTemplate::new(src)?)
+        }
+        _ => None,
     };
-    let draft = draft_len.map(|d| RefCell::new(DraftPolicy::from(d)));
-    let drafting = Cell::new(draft.is_some() && !run.no_draft);
-    let cache = RefCell::new(model.new_cache());
-    Ok(Session { model, assistant, draft, drafting, cache, opts, tokenizer })
+    let models = Models { target: model, assistant, tokenizer, template };
+    let draft = models.draft_policy(setting);
+    let drafting = draft.is_some() && !run.no_draft;
+    // Test hook: slow every step down so that a test can interrupt a reply.
+    let step_delay = std::env::var("TANDEM_TEST_TOKEN_DELAY_MS").ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_millis);
+    let engine = Engine::start(models, Limits { step_delay, ..Limits::default() });
+    Ok(Session { engine, opts, draft, drafting, stop: run.stop.clone(), show_thinking: run.show_thinking })
 }
 
 fn load_tokenizer(dir: &Path, vocab_size: usize) -> Result<TextTokenizer> {
@@ -407,86 +429,67 @@ fn load_tokenizer(dir: &Path, vocab_size: usize) -> Result<TextTokenizer> {
     Ok(tok)
 }
 
-/// A tokenized prompt must use only ids the model has: name the first token that is beyond it.
-fn check_prompt_ids(tok: &TextTokenizer, ids: &[u32], vocab_size: usize) -> Result<()> {
-    if let Some(&id) = ids.iter().find(|&&t| t as usize >= vocab_size) {
-        let text = tok.id_to_token(id).unwrap_or_default();
-        let named = tok.special_tokens().iter().find(|(_, v)| *v == text).map(|(k, _)| format!(" (the tokenizer's {k})")).unwrap_or_default();
-        bail!("the prompt contains token {text:?}{named}, id {id}, which is beyond the model's vocabulary of {vocab_size} tokens");
-    }
-    Ok(())
-}
-
 impl Session {
-    fn tokenizer(&self) -> &TextTokenizer {
-        self.tokenizer.as_ref().expect("required tokenizer is loaded")
-    }
-
-    fn template(&self) -> Result<ChatTemplate> {
-        let tok = self.tokenizer();
-        let src = tok.chat_template().ok_or_else(|| {
-            anyhow!(
-                "{} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json); use --prompt",
-                tok.dir().display()
-            )
-        })?;
-        ChatTemplate::new(src)
-    }
-
-    /// A conversation rendered by the template (with the reply's opening) and tokenized as transformers'
-    /// `apply_chat_template(..., tokenize=True)` does: no further special tokens.
-    fn chat_prompt(&self, template: &ChatTemplate, messages: &serde_json::Value, thinking: bool) -> Result<Vec<u32>> {
-        let mut opts = RenderOptions { add_generation_prompt: true, ..RenderOptions::default() };
-        if thinking {
-            opts.extra.insert("enable_thinking".into(), json!(true));
-        }
-        let tok = self.tokenizer();
-        let text = template.render(messages, tok.special_tokens(), &opts)?;
-        let ids = tok.encode(&text, false)?;
-        check_prompt_ids(tok, &ids, self.model.cfg.vocab_size)?;
-        Ok(ids)
-    }
-
-    /// The ids that end generation (and are not part of the text).
-    fn stop_ids(&self) -> Vec<u32> {
-        if self.opts.ignore_eos {
-            Vec::new()
-        } else {
-            self.model.cfg.eos_token_ids.clone()
-        }
+    fn models(&self) -> &Models {
+        self.engine.models()
     }
 
     /// Chat's `/draft off|on|auto|K`: switch drafting for the next replies; returns what it is now.
-    fn switch_drafting(&self, arg: &str) -> Result<String> {
-        let Some(policy) = &self.draft else {
+    fn switch_drafting(&mut self, arg: &str) -> Result<String> {
+        let Some(policy) = &mut self.draft else {
             bail!("/draft needs an assistant (start the chat with --assistant DIR)");
         };
         match arg {
             "" => {}
-            "off" => self.drafting.set(false),
-            "on" => self.drafting.set(true),
+            "off" => self.drafting = false,
+            "on" => self.drafting = true,
             k => {
                 let len = DraftLength::parse(k).map_err(|_| anyhow!("/draft takes off, on, auto or a number of draft tokens from 1 to {MAX_DRAFT}"))?;
-                *policy.borrow_mut() = DraftPolicy::from(len);
-                self.drafting.set(true);
+                *policy = DraftPolicy::from(len);
+                self.drafting = true;
             }
         }
-        Ok(if self.drafting.get() { format!("drafting on, draft tokens {}", policy.borrow().describe()) } else { "drafting off".into() })
+        Ok(if self.drafting { format!("drafting on, draft tokens {}", policy.describe()) } else { "drafting off".into() })
     }
 
-    fn generate(&self, prompt: &[u32], trace: bool, mut on_tokens: impl FnMut(&[u32]) -> Flow) -> Result<(Generation, Option<SpecStats>)> {
-        let cache = &mut *self.cache.borrow_mut();
-        let result = match (&self.assistant, &self.draft) {
-            (Some(a), Some(policy)) if self.drafting.get() => {
-                let policy = &mut *policy.borrow_mut();
-                generate_speculative_until(&self.model, a, cache, prompt, &self.opts, policy, trace, on_tokens).map(|(g, s)| (g, Some(s)))
-            }
-            _ => generate_until(&self.model, cache, prompt, &self.opts, |t| on_tokens(&[t])).map(|g| (g, None)),
+    /// Run one request on the engine. `on_tokens` sees each committed run of ids with the text they add,
+    /// and returns false to stop (the request is cancelled); `interrupted`, when set, cancels it too.
+    fn generate(&mut self, prompt: Prompt, trace: bool, interrupted: Option<&AtomicBool>, mut on_tokens: impl FnMut(&[u32], &str) -> bool) -> Result<Outcome> {
+        let req = Request {
+            prompt,
+            opts: self.opts.clone(),
+            stop: self.stop.clone(),
+            show_thinking: self.show_thinking,
+            draft: if self.drafting { self.draft.clone() } else { None },
+            trace,
         };
-        if result.is_err() {
-            cache.clear();
+        let handle = self.engine.submit(req)?;
+        loop {
+            let event = match handle.recv_timeout(Duration::from_millis(50)) {
+                Ok(e) => e,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if interrupted.is_some_and(|f| f.swap(false, Ordering::SeqCst)) {
+                        handle.cancel();
+                    }
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the engine stopped before the request ended"),
+            };
+            match event {
+                Event::Tokens { ids, text, .. } => {
+                    if !on_tokens(&ids, &text) || interrupted.is_some_and(|f| f.swap(false, Ordering::SeqCst)) {
+                        handle.cancel();
+                    }
+                }
+                Event::Done(outcome) => {
+                    if let (Some(p), true) = (&outcome.draft, self.drafting) {
+                        self.draft = Some(p.clone());
+                    }
+                    return Ok(*outcome);
+                }
+                Event::Error(e) => bail!(e),
+            }
         }
-        result
     }
 }
 
@@ -537,85 +540,53 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     } else {
         TextNeed::Required("text prompts need")
     };
-    let s = open_session(&args.run, 128, need, args.top_logprobs, args.trace)?;
+    let mut s = open_session(&args.run, 128, need, args.top_logprobs, args.trace, args.chat.is_some())?;
     let prompt = match (&explicit_ids, &args.prompt, &args.chat) {
-        (Some(ids), _, _) => ids.clone(),
-        (None, Some(text), _) => {
-            let ids = s.tokenizer().encode(text, true)?;
-            check_prompt_ids(s.tokenizer(), &ids, s.model.cfg.vocab_size)?;
-            ids
-        }
+        (Some(ids), _, _) => Prompt::Ids(ids.clone()),
+        (None, Some(text), _) => Prompt::Text(text.clone()),
         (None, None, Some(user)) => {
-            let template = s.template()?;
             let mut messages = Vec::new();
             if let Some(sys) = &args.system {
                 messages.push(json!({"role": "system", "content": sys}));
             }
             messages.push(json!({"role": "user", "content": user}));
-            s.chat_prompt(&template, &json!(messages), args.run.thinking)?
+            Prompt::Chat { messages: json!(messages), thinking: args.run.thinking }
         }
         (None, None, None) => unreachable!("clap requires one of the prompt options"),
     };
     let text_mode = explicit_ids.is_none();
     let tty = std::io::stdout().is_terminal();
 
-    let mut stream = s.tokenizer.as_ref().map(|t| TextStream::new(t, s.stop_ids(), args.run.stop.clone(), args.run.show_thinking));
-    let mut stream_err: Option<anyhow::Error> = None;
     let mut out_err: Option<anyhow::Error> = None;
     let mut first = true;
-    let on_tokens = |ts: &[u32]| -> Flow {
-        let mut keep = ts.len();
-        let mut flow = Flow::Continue;
-        if let Some(st) = stream.as_mut() {
-            match st.push(ts) {
-                Ok(p) => {
-                    if !args.json && text_mode {
-                        if let Err(e) = print_text(&p.visible, tty) {
-                            out_err.get_or_insert(e);
-                            return Flow::StopAfter(ts.len());
-                        }
-                    }
-                    if let Some(k) = p.keep {
-                        keep = k;
-                        flow = Flow::StopAfter(k);
-                    }
-                }
-                Err(e) => {
-                    stream_err.get_or_insert(e);
-                    flow = Flow::StopAfter(ts.len());
-                }
-            }
-        }
-        if !args.json && !text_mode && keep > 0 {
+    let on_tokens = |ids: &[u32], text: &str| -> bool {
+        let printed = if args.json {
+            Ok(())
+        } else if text_mode {
+            print_text(text, tty)
+        } else {
             let mut line = String::new();
-            for t in &ts[..keep] {
+            for t in ids {
                 line += &format!("{}{t}", if first { "" } else { " " });
                 first = false;
             }
-            if let Err(e) = emit(&line) {
+            emit(&line)
+        };
+        match printed {
+            Ok(()) => true,
+            Err(e) => {
                 out_err.get_or_insert(e);
-                return Flow::StopAfter(ts.len());
+                false
             }
         }
-        flow
     };
-    let (g, spec) = s.generate(&prompt, args.trace, on_tokens).context("generation failed")?;
+    let outcome = s.generate(prompt, args.trace, None, on_tokens).context("generation failed")?;
     if let Some(e) = out_err {
         return Err(e);
     }
-    if let Some(e) = stream_err {
-        return Err(e.context("cannot decode the output"));
-    }
-    let mut text = None;
-    if let Some(st) = stream.as_mut() {
-        let rest = st.finish()?;
-        if !args.json && text_mode {
-            print_text(&rest, tty)?;
-        }
-        if st.inside_thinking() && text_mode && !args.json {
-            say!("note: the output ended inside a thinking block (--show-thinking prints it)");
-        }
-        text = Some(st.text().to_string());
+    let g = &outcome.generation;
+    if outcome.inside_thinking && text_mode && !args.json {
+        say!("note: the output ended inside a thinking block (--show-thinking prints it)");
     }
     if g.context_limited {
         say!("note: stopped at the context limit of {} tokens", s.opts.context_limit);
@@ -623,7 +594,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     if args.json {
         let mut stats = serde_json::to_value(&g.stats)?;
         let mut rounds = None;
-        if let Some(sp) = &spec {
+        if let Some(sp) = &outcome.spec {
             let mut sv = serde_json::to_value(sp)?;
             rounds = sv.as_object_mut().and_then(|o| o.remove("rounds"));
             if let (Some(dst), Some(src)) = (stats.as_object_mut(), sv.as_object()) {
@@ -631,9 +602,9 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             }
         }
         let mut obj = json!({
-            "prompt_ids": prompt,
+            "prompt_ids": outcome.prompt_ids,
             "tokens": g.tokens,
-            "text": text,
+            "text": outcome.text,
             "finish_reason": g.finish_reason,
             "stats": stats,
         });
@@ -646,7 +617,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         emit(&format!("{obj}\n"))?;
     } else {
         emit("\n")?;
-        say!("{}", summary(&g, spec.as_ref()));
+        say!("{}", summary(g, outcome.spec.as_ref()));
     }
     Ok(())
 }
@@ -748,9 +719,7 @@ fn parse_chat_input(input: &str) -> ChatInput<'_> {
 }
 
 fn run_chat(args: ChatArgs) -> Result<()> {
-    let s = open_session(&args.run, 1024, TextNeed::Required("chat needs"), None, false)?;
-    let template = s.template()?;
-    let tok = s.tokenizer();
+    let mut s = open_session(&args.run, 1024, TextNeed::Required("chat needs"), None, false, true)?;
     let interactive = std::io::stdin().is_terminal();
     let tty = std::io::stdout().is_terminal();
     let interrupted = Arc::new(AtomicBool::new(false));
@@ -758,9 +727,6 @@ fn run_chat(args: ChatArgs) -> Result<()> {
         let flag = interrupted.clone();
         ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)).map_err(|e| anyhow!("cannot handle Ctrl-C: {e}"))?;
     }
-    // Test hook: slow every reply down so that a test can interrupt it.
-    let delay = std::env::var("TANDEM_TEST_TOKEN_DELAY_MS").ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_millis);
-
     let system = args.system.as_ref().map(|sys| json!({"role": "system", "content": sys}));
     let mut history: Vec<serde_json::Value> = system.iter().cloned().collect();
     say!(
@@ -821,7 +787,8 @@ fn run_chat(args: ChatArgs) -> Result<()> {
             }
         };
         history.push(json!({"role": "user", "content": input}));
-        let prompt = match s.chat_prompt(&template, &json!(history), args.run.thinking) {
+        let chat = Prompt::Chat { messages: json!(history), thinking: args.run.thinking };
+        let prompt = match s.models().prompt_ids(&chat) {
             Ok(p) if p.len() >= s.opts.context_limit => {
                 history.pop();
                 say!(
@@ -841,64 +808,35 @@ fn run_chat(args: ChatArgs) -> Result<()> {
             }
         };
         // A Ctrl-C from here on stops this reply (one at the prompt was taken above).
-        let mut stream = TextStream::new(tok, s.stop_ids(), args.run.stop.clone(), args.run.show_thinking);
-        let mut stream_err: Option<anyhow::Error> = None;
         let mut out_err: Option<anyhow::Error> = None;
-        let mut was_interrupted = false;
-        let result = s.generate(&prompt, false, |ts| {
-            if let Some(d) = delay {
-                std::thread::sleep(d);
+        let result = s.generate(Prompt::Ids(prompt), false, Some(&interrupted), |_, text| match print_text(text, tty) {
+            Ok(()) => true,
+            Err(e) => {
+                out_err.get_or_insert(e);
+                false
             }
-            let mut flow = Flow::Continue;
-            match stream.push(ts) {
-                Ok(p) => {
-                    if let Err(e) = print_text(&p.visible, tty) {
-                        out_err.get_or_insert(e);
-                        return Flow::StopAfter(ts.len());
-                    }
-                    if let Some(k) = p.keep {
-                        flow = Flow::StopAfter(k);
-                    }
-                }
-                Err(e) => {
-                    stream_err.get_or_insert(e);
-                    flow = Flow::StopAfter(ts.len());
-                }
-            }
-            if flow == Flow::Continue && interrupted.swap(false, Ordering::SeqCst) {
-                was_interrupted = true;
-                flow = Flow::StopAfter(ts.len());
-            }
-            flow
         });
         if let Some(e) = out_err {
             return Err(e);
         }
-        let (g, spec) = match result {
-            Ok(r) => r,
+        let outcome = match result {
+            Ok(o) => o,
             Err(e) => {
                 history.pop();
+                emit("\n")?;
                 say!("error: {}", one_line(&e));
                 prompt_mark()?;
                 continue;
             }
         };
-        match stream.finish() {
-            Ok(rest) => print_text(&rest, tty)?,
-            Err(e) => {
-                stream_err.get_or_insert(e);
-            }
-        }
         emit("\n")?;
-        if let Some(e) = stream_err {
-            say!("error: cannot decode the output: {}", one_line(&e));
-        }
-        if stream.inside_thinking() {
+        let g = &outcome.generation;
+        if outcome.inside_thinking {
             say!("(the reply ended inside its thinking; --show-thinking prints it)");
         }
-        let reason = if was_interrupted {
+        let reason = if outcome.cancelled {
             "interrupted"
-        } else if stream.stopped() {
+        } else if outcome.stop_string {
             "stop string"
         } else if g.context_limited {
             "context limit"
@@ -908,8 +846,8 @@ fn run_chat(args: ChatArgs) -> Result<()> {
                 FinishReason::Length => "length limit",
             }
         };
-        say!("{}", reply_summary(&g, spec.as_ref(), reason));
-        history.push(json!({"role": "assistant", "content": stream.text()}));
+        say!("{}", reply_summary(g, outcome.spec.as_ref(), reason));
+        history.push(json!({"role": "assistant", "content": outcome.text.unwrap_or_default()}));
         prompt_mark()?;
     }
 }
@@ -940,13 +878,19 @@ fn reply_summary(g: &Generation, spec: Option<&SpecStats>, reason: &str) -> Stri
 }
 
 fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
+    if !args.pair && args.concurrency.is_none() && (args.model.is_some() || args.assistant.is_some() || args.draft_tokens.is_some()) {
+        bail!("--model, --assistant and --draft-tokens go with --pair or --concurrency");
+    }
+    if let Some(levels) = &args.concurrency {
+        return run_concurrency_bench(&args, levels);
+    }
     if args.pair {
         let dir = bench::default_model_dir();
         let opts = bench::PairOptions {
             target: args.model.unwrap_or_else(|| dir.join("target")),
             assistant: args.assistant.unwrap_or_else(|| dir.join("assistant")),
             prompts: args.prompts.unwrap_or_else(|| dir.join("heldout_prompts.json")),
-            draft: DraftLength::parse(&args.draft_tokens)?,
+            draft: DraftLength::parse(args.draft_tokens.as_deref().unwrap_or("4"))?,
             max_new_tokens: args.max_new_tokens,
         };
         let report = bench::run_pair(&opts, |msg| say!("{msg}"))?;
@@ -968,6 +912,60 @@ fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
         threads,
     };
     let report = bench::run(&opts, |msg| say!("{msg}"))?;
+    if args.json {
+        emit(&format!("{}\n", serde_json::to_string(&report)?))?;
+    } else {
+        emit(&report.table())?;
+    }
+    Ok(())
+}
+
+/// `bench --concurrency`: many streams through the engine, on a checkpoint or the random preset.
+fn run_concurrency_bench(args: &BenchArgs, levels: &str) -> Result<()> {
+    let levels = levels
+        .split(',')
+        .map(|l| l.trim().parse::<usize>().map_err(|_| anyhow!("--concurrency: {l:?} is not a number of streams")))
+        .collect::<Result<Vec<_>>>()?;
+    let (models, name) = match &args.model {
+        Some(dir) => {
+            let target = TargetModel::load(dir)?;
+            let assistant = match &args.assistant {
+                Some(a) => {
+                    let a = Assistant::load(a).context("cannot load the assistant")?;
+                    validate_pair(&target.cfg, &a.cfg).context("the assistant does not match the target")?;
+                    Some(a)
+                }
+                None => None,
+            };
+            (Models { target, assistant, tokenizer: None, template: None }, dir.display().to_string())
+        }
+        None => {
+            if args.assistant.is_some() {
+                bail!("--assistant needs --model (the random model comes with its own random drafter)");
+            }
+            let preset = Preset::parse(&args.preset)?;
+            let cfg = preset.config(args.layers)?;
+            say!("building a random {preset:?} model with {} layers and its drafter in memory...", args.layers);
+            let target = bench::random_model(&cfg, 7)?;
+            let assistant = bench::random_assistant(&preset.assistant_config(&cfg)?, 11)?;
+            let name = format!("random {preset:?} dims, {} layers, with a random drafter (nothing accepted)", args.layers);
+            (Models { target, assistant: Some(assistant), tokenizer: None, template: None }, name)
+        }
+    };
+    let draft = match (&args.draft_tokens, args.no_draft, &models.assistant) {
+        (_, true, _) | (None, false, None) => None,
+        (Some(k), false, _) => Some(DraftLength::parse(k)?),
+        (None, false, Some(_)) => Some(DraftLength::Auto),
+    };
+    let opts = bench::ConcurrencyOptions {
+        levels,
+        prompt_tokens: args.prefill,
+        new_tokens: args.decode,
+        draft,
+        repeats: args.repeats,
+        join_prompt: args.join_prompt,
+    };
+    let report = bench::run_concurrency(&models, &name, &opts, |msg| say!("{msg}"))?;
     if args.json {
         emit(&format!("{}\n", serde_json::to_string(&report)?))?;
     } else {

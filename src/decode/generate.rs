@@ -5,7 +5,9 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-use crate::decode::sampling::{log_softmax, top_n, Sampler, SamplingParams};
+use crate::decode::sampling::SamplingParams;
+use crate::decode::sequence::{run_alone, Sequence};
+use crate::decode::speculative::Drafter;
 use crate::model::{Keep, KvCache, TargetModel};
 
 /// Prompt rows per prefill forward: large enough to keep the matmuls compute-bound, small enough to keep
@@ -153,54 +155,7 @@ pub fn generate_until(
     opts: &GenerateOptions,
     mut on_token: impl FnMut(u32) -> Flow,
 ) -> Result<Generation> {
-    validate_prompt(model, prompt, opts.context_limit)?;
-    opts.sampling.validate()?;
-    let mut sampler = Sampler::new(opts.sampling.clone());
-    let mut history = prompt.to_vec();
-    let mut out = Generation::new(prompt.len());
-    if opts.max_new_tokens == 0 {
-        return Ok(out);
-    }
-
-    let mut fwd = prefill(model, cache, prompt, &mut out.stats)?;
-
-    let t1 = Instant::now();
-    loop {
-        let logits = fwd.logits_row(fwd.rows - 1);
-        check_logits(logits, out.tokens.len() + 1)?;
-        let token = sampler.sample(logits, &history);
-        if let Some(n) = opts.top_logprobs {
-            let lp = log_softmax(logits);
-            out.logprobs.push(TokenLogprob { token, logprob: lp[token as usize], top: top_n(&lp, n) });
-        }
-        history.push(token);
-        out.tokens.push(token);
-        if let Flow::StopAfter(n) = on_token(token) {
-            if n == 0 {
-                out.tokens.pop();
-                out.logprobs.truncate(out.tokens.len());
-            }
-            out.finish_reason = FinishReason::Stop;
-            break;
-        }
-        if !opts.ignore_eos && model.cfg.eos_token_ids.contains(&token) {
-            out.finish_reason = FinishReason::Stop;
-            break;
-        }
-        if out.tokens.len() >= opts.max_new_tokens {
-            break;
-        }
-        if history.len() >= opts.context_limit {
-            out.context_limited = true;
-            break;
-        }
-        fwd = model.forward(cache, &[token], Keep::Last)?;
-    }
-    let decode_s = t1.elapsed().as_secs_f64();
-    out.stats.generated_tokens = out.tokens.len();
-    // The first token comes from the prefill; decode speed counts the steps after it.
-    if out.tokens.len() > 1 {
-        out.stats.decode_tokens_per_s = (out.tokens.len() - 1) as f64 / decode_s.max(1e-9);
-    }
-    Ok(out)
+    let mut seq = Sequence::new(model, prompt, opts, None, false)?;
+    run_alone::<dyn Drafter>(model, None, cache, &mut seq, |ts| ts.first().map_or(Flow::Continue, |&t| on_token(t)))?;
+    Ok(seq.into_results().0)
 }

@@ -1,4 +1,5 @@
 pub mod draft_policy;
 pub mod generate;
 pub mod sampling;
+pub mod sequence;
 pub mod speculative;

@@ -1,0 +1,286 @@
+//! The engine's scheduler, stepped by hand so that joins, leaves and cancellations happen at chosen steps:
+//! many requests of mixed prompt lengths and draft settings share every forward, and each one's tokens
+//! equal its solo run (greedy with any draft setting; seeded sampling with drafting off or a fixed k).
+//! Also the queue, the K/V budget, prefix reuse from finished sequences, and cancellation.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::fixture_dir;
+use serde_json::Value;
+use tandem::decode::draft_policy::{DraftLength, DraftPolicy};
+use tandem::decode::generate::{generate, GenerateOptions};
+use tandem::decode::sampling::SamplingParams;
+use tandem::decode::speculative::generate_speculative;
+use tandem::engine::{Event, Handle, Limits, Models, Outcome, Prompt, Request, Scheduler};
+use tandem::model::assistant::Assistant;
+use tandem::model::TargetModel;
+
+fn shipped() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/default")
+}
+
+fn heldout() -> Vec<Vec<u32>> {
+    let json: Value = serde_json::from_str(&std::fs::read_to_string(shipped().join("heldout_prompts.json")).unwrap()).unwrap();
+    json.as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
+        .collect()
+}
+
+fn models(target: PathBuf, assistant: Option<PathBuf>) -> Models {
+    Models {
+        target: TargetModel::load(&target).unwrap(),
+        assistant: assistant.map(|a| Assistant::load(&a).unwrap()),
+        tokenizer: None,
+        template: None,
+    }
+}
+
+fn opts(m: &Models, max_new: usize, sampling: SamplingParams) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens: max_new,
+        ignore_eos: true,
+        sampling,
+        top_logprobs: None,
+        context_limit: m.target.cfg.max_position_embeddings,
+    }
+}
+
+fn sampled(seed: u64) -> SamplingParams {
+    SamplingParams { temperature: 0.9, top_k: 40, top_p: 0.95, min_p: 0.0, repeat_penalty: 1.1, seed }
+}
+
+/// A deterministic pseudo-random prompt of `n` ids below `vocab` (avoiding the low special ids).
+fn prompt(vocab: usize, n: usize, salt: u64) -> Vec<u32> {
+    let mut x = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            3 + (x % (vocab as u64 - 3)) as u32
+        })
+        .collect()
+}
+
+/// The same request run alone through the single-sequence path.
+fn solo(m: &Models, ids: &[u32], o: &GenerateOptions, draft: Option<DraftLength>) -> Vec<u32> {
+    match (draft, &m.assistant) {
+        (Some(d), Some(a)) => generate_speculative(&m.target, a, ids, o, &mut d.into(), false, |_| {}).unwrap().0.tokens,
+        _ => generate(&m.target, ids, o, |_| {}).unwrap().tokens,
+    }
+}
+
+struct Case {
+    ids: Vec<u32>,
+    opts: GenerateOptions,
+    draft: Option<DraftLength>,
+    /// Step at which it joins.
+    join: usize,
+    /// Step after which it is cancelled.
+    cancel: Option<usize>,
+    handle: Option<Handle>,
+    streamed: Vec<u32>,
+    outcome: Option<Outcome>,
+}
+
+/// Step the scheduler until every case has ended, submitting and cancelling at their steps; collect the
+/// streamed tokens and outcomes. Returns the largest number of rows in one step.
+fn drive(s: &mut Scheduler<'_>, cases: &mut [Case]) -> usize {
+    let mut most_rows = 0;
+    for step in 0..10_000 {
+        for c in cases.iter_mut() {
+            if c.join == step {
+                let req = Request {
+                    prompt: Prompt::Ids(c.ids.clone()),
+                    opts: c.opts.clone(),
+                    stop: Vec::new(),
+                    show_thinking: false,
+                    draft: c.draft.map(DraftPolicy::from),
+                    trace: false,
+                };
+                c.handle = Some(s.submit(req).unwrap());
+            }
+            if c.cancel == Some(step) {
+                c.handle.as_ref().unwrap().cancel();
+            }
+        }
+        let report = s.step();
+        most_rows = most_rows.max(report.rows);
+        for c in cases.iter_mut() {
+            let Some(h) = c.handle.as_ref() else { continue };
+            while let Some(e) = h.try_recv() {
+                match e {
+                    Event::Tokens { ids, .. } => c.streamed.extend(ids),
+                    Event::Done(o) => c.outcome = Some(*o),
+                    Event::Error(e) => panic!("request failed: {e}"),
+                }
+            }
+        }
+        if cases.iter().all(|c| c.outcome.is_some()) {
+            assert!(s.is_idle());
+            return most_rows;
+        }
+    }
+    panic!("the scheduler did not finish");
+}
+
+fn check(m: &Models, cases: &[Case]) {
+    for (i, c) in cases.iter().enumerate() {
+        let o = c.outcome.as_ref().unwrap();
+        assert_eq!(o.generation.tokens, c.streamed, "case {i}: streamed tokens differ from the outcome");
+        let alone = solo(m, &c.ids, &c.opts, c.draft);
+        if c.cancel.is_some() && o.cancelled {
+            assert!(alone.starts_with(&o.generation.tokens), "case {i}: a cancelled request's tokens are a prefix of its solo run");
+            assert!(o.generation.tokens.len() < alone.len(), "case {i} was cancelled after it ended");
+        } else {
+            assert_eq!(o.generation.tokens, alone, "case {i} ({:?}, draft {:?}) differs from its solo run", c.opts.sampling, c.draft);
+        }
+    }
+}
+
+fn case(ids: Vec<u32>, opts: GenerateOptions, draft: Option<DraftLength>, join: usize, cancel: Option<usize>) -> Case {
+    Case { ids, opts, draft, join, cancel, handle: None, streamed: Vec::new(), outcome: None }
+}
+
+#[test]
+fn sixteen_requests_on_the_shipped_pair_equal_their_solo_runs() {
+    let m = models(shipped().join("target"), Some(shipped().join("assistant")));
+    let prompts = heldout();
+    let drafts = [None, Some(DraftLength::Fixed(1)), Some(DraftLength::Fixed(3)), Some(DraftLength::Fixed(5)), Some(DraftLength::Auto)];
+    let mut cases = Vec::new();
+    for i in 0..18 {
+        let ids: Vec<u32> = prompts[i % prompts.len()].iter().copied().take(4 + (i * 7) % 40).collect();
+        let greedy = i % 3 != 2;
+        let (sampling, draft) = if greedy {
+            (SamplingParams::default(), drafts[i % drafts.len()])
+        } else {
+            // Seeded sampling: drafting off or a fixed k (auto's k depends on load).
+            (sampled(i as u64), [None, Some(DraftLength::Fixed(3)), Some(DraftLength::Fixed(2))][i % 3])
+        };
+        let cancel = (i % 7 == 3).then_some(6 + i);
+        cases.push(case(ids, opts(&m, 20 + (i % 5) * 6, sampling), draft, (i % 4) * 3, cancel));
+    }
+    let limits = Limits { prefill_rows: 64, ..Limits::default() };
+    let mut s = Scheduler::new(&m, limits);
+    let most = drive(&mut s, &mut cases);
+    assert!(most > 8, "requests shared forwards (at most {most} rows per step)");
+    check(&m, &cases);
+    assert!(cases.iter().any(|c| c.outcome.as_ref().unwrap().cancelled), "some requests were cancelled mid-stream");
+    let accepted: usize = cases.iter().filter_map(|c| c.outcome.as_ref().unwrap().spec.as_ref()).map(|s| s.accepted_tokens).sum();
+    assert!(accepted > 50, "the trained drafter was accepted under load ({accepted} drafts)");
+}
+
+#[test]
+fn fixtures_with_moe_and_both_drafter_heads_equal_their_solo_runs() {
+    for (target, assistant) in [("t1-f32", Some("d1-centroid")), ("t1-f32", Some("d2-tied")), ("t2-moe", None), ("t5-e2b", None), ("t1-bf16", None)] {
+        let m = models(fixture_dir(target), assistant.map(fixture_dir));
+        let vocab = m.target.cfg.vocab_size;
+        let mut cases = Vec::new();
+        for i in 0..8 {
+            let draft = if m.assistant.is_some() { [None, Some(DraftLength::Fixed(2)), Some(DraftLength::Fixed(4)), Some(DraftLength::Auto)][i % 4] } else { None };
+            let sampling = if i % 2 == 0 { SamplingParams::default() } else { sampled(100 + i as u64) };
+            let draft = if i % 2 == 1 && draft == Some(DraftLength::Auto) { Some(DraftLength::Fixed(3)) } else { draft };
+            // Prompts on both sides of the sliding window (8 tokens in the fixtures).
+            cases.push(case(prompt(vocab, 3 + i * 5, i as u64 + 7), opts(&m, 12 + i, sampling), draft, i % 3, None));
+        }
+        let mut s = Scheduler::new(&m, Limits { prefill_rows: 16, ..Limits::default() });
+        drive(&mut s, &mut cases);
+        check(&m, &cases);
+    }
+}
+
+#[test]
+fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
+    let m = models(fixture_dir("t1-f32"), None);
+    let vocab = m.target.cfg.vocab_size;
+    // At most two at once: the third waits, then runs, and all equal their solo runs.
+    let mut cases: Vec<Case> = (0..3).map(|i| case(prompt(vocab, 5 + i, i as u64), opts(&m, 10, SamplingParams::default()), None, 0, None)).collect();
+    let mut s = Scheduler::new(&m, Limits { max_active: 2, ..Limits::default() });
+    for c in cases.iter_mut() {
+        c.join = usize::MAX;
+        let req = Request {
+            prompt: Prompt::Ids(c.ids.clone()),
+            opts: c.opts.clone(),
+            stop: Vec::new(),
+            show_thinking: false,
+            draft: None,
+            trace: false,
+        };
+        c.handle = Some(s.submit(req).unwrap());
+    }
+    s.step();
+    assert_eq!(s.load(), (1, 2), "two run, one waits");
+    drive(&mut s, &mut cases);
+    check(&m, &cases);
+
+    // A budget that fits one reservation at a time serialises the requests.
+    let one = {
+        let mut probe = Scheduler::new(&m, Limits { pool: 0, ..Limits::default() });
+        let req = Request {
+            prompt: Prompt::Ids(prompt(vocab, 8, 1)),
+            opts: opts(&m, 10, SamplingParams::default()),
+            stop: Vec::new(),
+            show_thinking: false,
+            draft: None,
+            trace: false,
+        };
+        let _h = probe.submit(req).unwrap();
+        probe.step();
+        probe.kv_in_use()
+    };
+    assert!(one > 0);
+    let mut s = Scheduler::new(&m, Limits { kv_bytes: one + one / 2, pool: 0, ..Limits::default() });
+    let mut cases: Vec<Case> = (0..3).map(|i| case(prompt(vocab, 8, 1 + i), opts(&m, 10, SamplingParams::default()), None, 0, None)).collect();
+    for c in cases.iter_mut() {
+        c.join = usize::MAX;
+        let req = Request {
+            prompt: Prompt::Ids(c.ids.clone()),
+            opts: c.opts.clone(),
+            stop: Vec::new(),
+            show_thinking: false,
+            draft: None,
+            trace: false,
+        };
+        c.handle = Some(s.submit(req).unwrap());
+    }
+    s.step();
+    assert_eq!(s.load(), (2, 1), "only one reservation fits the budget");
+    drive(&mut s, &mut cases);
+    check(&m, &cases);
+
+    // A request larger than the whole budget is refused at submission.
+    let mut s = Scheduler::new(&m, Limits { kv_bytes: one / 4, ..Limits::default() });
+    let req = Request {
+        prompt: Prompt::Ids(prompt(vocab, 8, 1)),
+        opts: opts(&m, 10, SamplingParams::default()),
+        stop: Vec::new(),
+        show_thinking: false,
+        draft: None,
+        trace: false,
+    };
+    let e = s.submit(req).err().expect("refused").to_string();
+    assert!(e.contains("bytes of K/V") && e.contains("budget"), "{e}");
+}
+
+#[test]
+fn a_finished_sequence_lends_its_prefix_to_the_next_request() {
+    let m = models(shipped().join("target"), Some(shipped().join("assistant")));
+    let p = heldout()[0].clone();
+    let o = opts(&m, 16, SamplingParams::default());
+    let mut s = Scheduler::new(&m, Limits::default());
+    let mut first = vec![case(p.clone(), o.clone(), Some(DraftLength::Fixed(3)), 0, None)];
+    drive(&mut s, &mut first);
+    // The next turn starts with the whole first exchange.
+    let mut next_ids = p.clone();
+    next_ids.extend(&first[0].outcome.as_ref().unwrap().generation.tokens);
+    next_ids.extend(&p[1..6]);
+    let mut second = vec![case(next_ids, o, Some(DraftLength::Fixed(3)), 0, None)];
+    drive(&mut s, &mut second);
+    let g = &second[0].outcome.as_ref().unwrap().generation;
+    assert!(g.stats.cached_prompt_tokens >= p.len(), "reused {} of {} prompt tokens", g.stats.cached_prompt_tokens, p.len());
+    check(&m, &second);
+}
