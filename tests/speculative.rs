@@ -96,6 +96,49 @@ fn greedy_with_partial_and_full_acceptance_equals_plain_greedy_on_every_target()
     }
 }
 
+/// A random prompt followed by 16 of the target's own greedy tokens: d4-trained was trained on such
+/// continuations, while right after random ids the target's picks are close to unpredictable.
+fn warmed_prompt(target: &TargetModel, rng: &mut Rng) -> Vec<u32> {
+    let mut prompt = random_prompt(rng, 256);
+    prompt.extend(generate(target, &prompt, &opts(16, SamplingParams::default()), |_| {}).unwrap().tokens);
+    prompt
+}
+
+#[test]
+fn a_trained_drafter_is_mostly_accepted_and_greedy_stays_lossless() {
+    // d4-trained was fitted to t1-bf16's greedy picks (scripts/fixtures/make_fixtures.py), so rounds end in
+    // full, partial and no acceptance, with the drafter's own proposals rather than an oracle's.
+    let target = TargetModel::load(&fixture_dir("t1-bf16")).unwrap();
+    let a = Assistant::load(&fixture_dir("d4-trained")).unwrap();
+    let mut rng = Rng::new(23);
+    let (mut drafted, mut accepted, mut full, mut partial, mut none) = (0, 0, 0, 0, 0);
+    for case in 0..8 {
+        let prompt = warmed_prompt(&target, &mut rng);
+        let sampling = SamplingParams { repeat_penalty: if case == 7 { 1.3 } else { 1.0 }, ..SamplingParams::default() };
+        let o = opts(40, sampling);
+        let plain = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
+        for dl in [DraftLength::Fixed(1), DraftLength::Fixed(3), DraftLength::Fixed(4), DraftLength::Fixed(6), DraftLength::Auto] {
+            let (g, stats) = generate_speculative(&target, &a, &prompt, &o, &mut dl.into(), true, |_| {}).unwrap();
+            assert_eq!(g.tokens, plain, "{dl:?} prompt {prompt:?}");
+            if matches!(dl, DraftLength::Fixed(_)) && case != 7 {
+                drafted += stats.drafted_tokens;
+                accepted += stats.accepted_tokens;
+                for r in stats.rounds.unwrap() {
+                    match r.accepted {
+                        0 => none += 1,
+                        n if n == r.drafted.len() => full += 1,
+                        _ => partial += 1,
+                    }
+                }
+            }
+        }
+    }
+    let rate = accepted as f64 / drafted as f64;
+    println!("d4-trained: {accepted}/{drafted} drafts accepted ({rate:.2}); rounds: {full} full, {partial} partial, {none} none");
+    assert!(rate > 0.5, "acceptance {rate}");
+    assert!(full > 20 && partial > 10 && none > 5, "{full} full, {partial} partial, {none} none");
+}
+
 #[test]
 fn eos_and_max_new_tokens_are_exact() {
     let mut target = TargetModel::load(&fixture_dir("t5-e2b")).unwrap();
@@ -219,6 +262,41 @@ fn speculative_sampling_has_exactly_the_plain_sampling_distribution() {
     let (_, c2) = count(wrong);
     let (stat, crit) = chi_square(&c2, &m2, n);
     assert!(stat > crit, "a temperature-1.6 sample should not pass as temperature 1.0 ({stat} < {crit})");
+}
+
+#[test]
+fn speculative_sampling_with_a_mostly_accepted_drafter_keeps_the_plain_distribution() {
+    // The same check as above with d4-trained on t1-bf16, whose drafts are often accepted, so the accept
+    // branch of the rejection sampler carries most of the probability mass.
+    let target = TargetModel::load(&fixture_dir("t1-bf16")).unwrap();
+    let a = Assistant::load(&fixture_dir("d4-trained")).unwrap();
+    let prompt = warmed_prompt(&target, &mut Rng::new(31));
+    let params = SamplingParams { temperature: 0.7, top_k: 6, ..SamplingParams::default() };
+    let (m1, m2) = exact_marginals(&target, &prompt, &params);
+    let n = 3000;
+    let (mut c1, mut c2) = (HashMap::new(), HashMap::new());
+    let (mut drafted, mut accepted) = (0, 0);
+    // One cache for all runs: each reuses the prompt's K/V (as a chat does), which keeps this fast with
+    // the scalar kernels.
+    let mut cache = target.new_cache();
+    for seed in 0..n as u64 {
+        let o = opts(3, SamplingParams { seed, ..params.clone() });
+        let mut policy = DraftPolicy::from(DraftLength::Fixed(3));
+        let (g, stats) =
+            generate_speculative_until(&target, &a, &mut cache, &prompt, &o, &mut policy, false, |_| Flow::Continue).unwrap();
+        *c1.entry(g.tokens[1]).or_insert(0) += 1;
+        *c2.entry(g.tokens[2]).or_insert(0) += 1;
+        drafted += stats.drafted_tokens;
+        accepted += stats.accepted_tokens;
+    }
+    println!("d4-trained sampling: {accepted}/{drafted} drafts accepted");
+    // (About 52% measured; sampled drafts are accepted less often than greedy ones.)
+    assert!(accepted * 5 > drafted * 2, "the drafter should be accepted often here: {accepted}/{drafted}");
+    for (i, (c, m)) in [(c1, &m1), (c2, &m2)].into_iter().enumerate() {
+        let (stat, crit) = chi_square(&c, m, n);
+        println!("token {}: chi2 {stat:.1} (critical {crit:.1})", i + 1);
+        assert!(stat < crit, "token {} distribution differs from plain sampling: chi2 {stat} >= {crit}", i + 1);
+    }
 }
 
 #[test]
