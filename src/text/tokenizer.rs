@@ -194,6 +194,9 @@ impl TextTokenizer {
             }
         }
 
+        if let Some(p) = file_obj.get("post_processor") {
+            check_post_processor(p).map_err(|e| anyhow!("{}: post_processor: {e}", path.display()))?;
+        }
         let decoder_json = file_obj.get("decoder").cloned().unwrap_or(Value::Null);
         let mut inner: Tokenizer = serde_json::from_value(file)
             .map_err(|e| anyhow!("{}: not a tokenizer the `tokenizers` library can read: {e}", path.display()))?;
@@ -326,6 +329,43 @@ impl Decode for TextTokenizer {
     fn is_byte_token(&self, id: u32) -> bool {
         self.byte_tokens.get(id as usize).copied().unwrap_or(false)
     }
+}
+
+/// The `tokenizers` crate trusts a `TemplateProcessing` post-processor read from JSON (its builder checks
+/// what deserializing does not): a template naming a special token it does not define, `$B` in the
+/// single-sequence template, or a special token with more ids than tokens panics when text is encoded.
+fn check_post_processor(p: &Value) -> Result<()> {
+    match p.get("type").and_then(Value::as_str) {
+        Some("Sequence") => {
+            for q in p.get("processors").and_then(Value::as_array).into_iter().flatten() {
+                check_post_processor(q)?;
+            }
+        }
+        Some("TemplateProcessing") => {
+            let specials = p.get("special_tokens").and_then(Value::as_object);
+            for (which, pair) in [("single", false), ("pair", true)] {
+                for piece in p.get(which).and_then(Value::as_array).into_iter().flatten() {
+                    if let Some(id) = piece.get("SpecialToken").and_then(|t| t.get("id")).and_then(Value::as_str) {
+                        if !specials.is_some_and(|m| m.contains_key(id)) {
+                            bail!("the {which} template uses special token {id:?}, which `special_tokens` does not define");
+                        }
+                    }
+                    let seq = piece.get("Sequence").and_then(|t| t.get("id")).and_then(Value::as_str);
+                    if !pair && seq == Some("B") {
+                        bail!("the single template uses the second sequence ($B)");
+                    }
+                }
+            }
+            for (id, t) in specials.into_iter().flatten() {
+                let len = |field: &str| t.get(field).and_then(Value::as_array).map(Vec::len);
+                if len("ids") != len("tokens") {
+                    bail!("special token {id:?} has {:?} ids but {:?} tokens", len("ids"), len("tokens"));
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// Byte-fallback token ids, when the decoder has a ByteFallback step: `<0x00>`..`<0xFF>` in the vocabulary.
