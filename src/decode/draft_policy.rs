@@ -11,7 +11,7 @@ pub const MAX_DRAFT: usize = 16;
 
 /// The most draft tokens per round `auto` considers: past 6-8 rows the verify forward stops being
 /// nearly free on CPU, and acceptance that deep is rare.
-const AUTO_MAX_DRAFT: usize = 8;
+pub const AUTO_MAX_DRAFT: usize = 8;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DraftLength {
@@ -83,6 +83,19 @@ impl DraftPolicy {
         }
     }
 
+    /// Whether this is `auto` that has not seen a round yet.
+    pub fn is_fresh_auto(&self) -> bool {
+        matches!(self, DraftPolicy::Auto(a) if a.accept[0].1 == 0.0 && a.verify_s[1].is_none())
+    }
+
+    /// `auto`'s estimates, for a caller that chooses k itself (the engine, across a batch).
+    pub fn auto(&self) -> Option<&AutoDraft> {
+        match self {
+            DraftPolicy::Auto(a) => Some(a),
+            DraftPolicy::Fixed(_) => None,
+        }
+    }
+
     /// What a round cost and how many of its `drafted` tokens were accepted.
     pub fn record(&mut self, drafted: usize, accepted: usize, draft_s: f64, verify_s: f64) {
         if let DraftPolicy::Auto(a) = self {
@@ -137,7 +150,7 @@ impl AutoDraft {
     }
 
     /// Estimated acceptance rate of each position given that it is reached.
-    fn rates(&self) -> [f64; AUTO_MAX_DRAFT] {
+    pub fn rates(&self) -> [f64; AUTO_MAX_DRAFT] {
         let mut out = [0.0; AUTO_MAX_DRAFT];
         let mut prev = 0.5;
         for (r, &(a, n)) in out.iter_mut().zip(&self.accept) {

@@ -67,6 +67,8 @@ pub struct Sequence {
     drafts: Vec<Draft>,
     draft_h: Vec<f32>,
     draft_s: f64,
+    /// The last verified round: (drafted, accepted, seconds of drafting).
+    last_round: (usize, usize, f64),
     t_start: Instant,
     t_decode: Option<Instant>,
 }
@@ -102,6 +104,7 @@ impl Sequence {
             drafts: Vec::new(),
             draft_h: Vec::new(),
             draft_s: 0.0,
+            last_round: (0, 0, 0.0),
             t_start: Instant::now(),
             t_decode: None,
         })
@@ -213,16 +216,29 @@ impl Sequence {
 
     /// Start a round: how many tokens to draft (0 without a policy, or when the budget allows none).
     pub fn plan(&mut self, policy: Option<&mut DraftPolicy>) -> usize {
-        debug_assert_eq!(self.phase, Phase::Ready);
-        let n_committed = self.history.len();
-        let remaining = self.opts.max_new_tokens - self.gen.tokens.len();
-        self.k = match policy {
+        let k = match policy {
             Some(p) => {
-                let k_cap = p.max_draft().min(MAX_ROLLBACK - 1);
-                p.choose(k_cap.min(remaining - 1).min(self.opts.context_limit - n_committed - 1))
+                let k_max = self.draft_room(p.max_draft());
+                p.choose(k_max)
             }
             None => 0,
         };
+        self.begin_round(k)
+    }
+
+    /// The most drafts the next round may have under `cap`: the token budget and the context leave room
+    /// for the drafts and the target's own token after them.
+    pub fn draft_room(&self, cap: usize) -> usize {
+        let remaining = self.opts.max_new_tokens - self.gen.tokens.len();
+        let room = self.opts.context_limit - self.history.len() - 1;
+        cap.min(MAX_ROLLBACK - 1).min(remaining - 1).min(room)
+    }
+
+    /// Start a round of `k` drafts (chosen by the caller; at most [`Sequence::draft_room`]).
+    pub fn begin_round(&mut self, k: usize) -> usize {
+        debug_assert_eq!(self.phase, Phase::Ready);
+        debug_assert!(k <= self.draft_room(MAX_ROLLBACK));
+        self.k = k;
         self.drafts.clear();
         self.draft_h = self.h.clone();
         self.draft_s = 0.0;
@@ -337,12 +353,18 @@ impl Sequence {
                 r.push(Round { drafted: self.drafts.iter().map(|d| d.token).collect(), accepted });
             }
         }
+        self.last_round = (k, accepted, self.draft_s);
         self.emitted = self.drafts[..accepted].iter().map(|d| d.token).collect();
         self.emitted.push(bonus);
         self.drafts.clear();
         self.k = 0;
         self.phase = Phase::Commit;
         Ok(())
+    }
+
+    /// The last verified round: (drafts, accepted drafts, seconds spent drafting them).
+    pub fn last_round(&self) -> (usize, usize, f64) {
+        self.last_round
     }
 
     pub fn generation(&self) -> &Generation {

@@ -11,6 +11,8 @@
 //! [`Engine`] runs the scheduler on its own thread; [`Scheduler`] is the same thing advanced by hand, one
 //! step at a time (tests use it to make joins, leaves and cancellations happen at chosen steps).
 
+mod plan;
+
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -21,7 +23,7 @@ use anyhow::{anyhow, bail, Result};
 use serde_json::json;
 
 use crate::config::{KvMode, LayerType};
-use crate::decode::draft_policy::{DraftLength, DraftPolicy, MAX_DRAFT};
+use crate::decode::draft_policy::{DraftLength, DraftPolicy, AUTO_MAX_DRAFT, MAX_DRAFT};
 use crate::decode::generate::{Flow, GenerateOptions, Generation, TokenLogprob, PREFILL_CHUNK};
 use crate::decode::sequence::{Phase, Sequence};
 use crate::decode::speculative::{Drafter, SpecStats};
@@ -257,7 +259,15 @@ struct Active<'m> {
     reserved: usize,
     tx: mpsc::Sender<Event>,
     cancel: Arc<AtomicBool>,
+    /// `auto` rounds since this sequence last drafted, and rounds in all (for probes).
+    idle_rounds: usize,
+    rounds: usize,
 }
+
+/// `auto` rounds without drafting after which a sequence drafts one token, to refresh its estimates;
+/// and every this many rounds a drafting one tries one draft more than chosen.
+const PROBE_IDLE_EVERY: usize = 32;
+const PROBE_LONGER_EVERY: usize = 16;
 
 struct Waiting {
     prepared: Prepared,
@@ -286,11 +296,16 @@ pub struct Scheduler<'m> {
     active: Vec<Active<'m>>,
     /// Finished caches for prefix reuse, oldest first, with their sizes in bytes.
     pool: Vec<(KvCache, usize)>,
+    /// Measured forward and draft-step costs, for choosing `auto` draft lengths across the batch.
+    costs: plan::Costs,
+    /// What every `auto` request taught about the drafter's acceptance: a new `auto` request starts from
+    /// it instead of from nothing (a useless drafter is not re-tried by every request).
+    shared_auto: DraftPolicy,
 }
 
 impl<'m> Scheduler<'m> {
     pub fn new(models: &'m Models, limits: Limits) -> Scheduler<'m> {
-        Scheduler { models, limits, waiting: VecDeque::new(), active: Vec::new(), pool: Vec::new() }
+        Scheduler { models, limits, waiting: VecDeque::new(), active: Vec::new(), pool: Vec::new(), costs: plan::Costs::default(), shared_auto: DraftLength::Auto.into() }
     }
 
     /// Check and queue a request.
@@ -370,16 +385,22 @@ impl<'m> Scheduler<'m> {
                 let skip = if req.opts.ignore_eos { Vec::new() } else { self.models.target.cfg.eos_token_ids.clone() };
                 TextStream::new(t, skip, req.stop.clone(), req.show_thinking)
             });
+            let policy = match req.draft {
+                Some(p) if p.is_fresh_auto() => Some(self.shared_auto.clone()),
+                other => other,
+            };
             self.active.push(Active {
                 seq,
                 cache,
-                policy: req.draft,
+                policy,
                 stream,
                 stream_err: None,
                 prompt_ids,
                 reserved,
                 tx: w.tx,
                 cancel: w.cancel,
+                idle_rounds: 0,
+                rounds: 0,
             });
         }
     }
@@ -404,12 +425,17 @@ impl<'m> Scheduler<'m> {
         let decoding = self.active.iter().any(|a| a.seq.phase() == Phase::Ready);
         let mut budget = if decoding { self.limits.prefill_rows_busy } else { self.limits.prefill_rows };
         let mut plan: Vec<Option<(Vec<u32>, Keep)>> = Vec::with_capacity(self.active.len());
-        for a in self.active.iter_mut() {
+        let mut auto = Vec::new();
+        for (i, a) in self.active.iter_mut().enumerate() {
             plan.push(match a.seq.phase() {
                 Phase::Prefill if budget > 0 => {
                     let chunk = a.seq.prefill_chunk(budget);
                     budget -= chunk.len();
                     Some((chunk, Keep::Last))
+                }
+                Phase::Ready if a.policy.as_ref().is_some_and(|p| p.auto().is_some()) => {
+                    auto.push(i);
+                    None
                 }
                 Phase::Ready => {
                     a.seq.plan(a.policy.as_mut());
@@ -418,6 +444,7 @@ impl<'m> Scheduler<'m> {
                 _ => None,
             });
         }
+        self.plan_auto(&auto, &plan);
 
         // Draft: one batched step per draft position, over the sequences still drafting that deep.
         let mut failed: Vec<(usize, String)> = Vec::new();
@@ -442,7 +469,9 @@ impl<'m> Scheduler<'m> {
                         .collect();
                     assistant.draft_batch(&self.models.target, &rows)
                 };
-                let secs = t.elapsed().as_secs_f64() / drafting.len() as f64;
+                let elapsed = t.elapsed().as_secs_f64();
+                self.costs.record_draft(drafting.len(), elapsed);
+                let secs = elapsed / drafting.len() as f64;
                 report.draft_steps += 1;
                 for (&i, step) in drafting.iter().zip(steps) {
                     if let Err(e) = self.active[i].seq.add_draft(step, secs) {
@@ -473,6 +502,7 @@ impl<'m> Scheduler<'m> {
                 self.models.target.forward_batch(&mut inputs)
             };
             let secs = t.elapsed().as_secs_f64();
+            self.costs.record_forward(report.rows, secs);
             match result {
                 Ok(outs) => {
                     for (&i, out) in members.iter().zip(&outs) {
@@ -482,6 +512,12 @@ impl<'m> Scheduler<'m> {
                             Keep::Last => a.seq.absorb_prefill(tokens.len(), out),
                             Keep::All => a.seq.absorb_verify(&mut a.cache, out, secs, a.policy.as_mut()),
                         };
+                        if let (Keep::All, Some(p)) = (keep, a.policy.as_ref()) {
+                            if r.is_ok() && p.auto().is_some() {
+                                let (k, accepted, draft_s) = a.seq.last_round();
+                                self.shared_auto.record(k, accepted, draft_s, secs);
+                            }
+                        }
                         if let Err(e) = r {
                             failed.push((i, format!("{e:#}")));
                         }
@@ -533,6 +569,50 @@ impl<'m> Scheduler<'m> {
             }
         }
         report
+    }
+
+    /// Choose the k of every `auto` sequence in `auto` together (see `plan`), given what else the step
+    /// holds; before the costs are known, each sequence's own policy chooses.
+    fn plan_auto(&mut self, auto: &[usize], plan: &[Option<(Vec<u32>, Keep)>]) {
+        if auto.is_empty() {
+            return;
+        }
+        let mut base_rows: usize = plan.iter().flatten().map(|p| p.0.len()).sum();
+        let mut base_tokens = 0.0;
+        let mut fixed_depth: Vec<usize> = Vec::new();
+        for a in self.active.iter().filter(|a| a.seq.phase() == Phase::Ready && a.policy.as_ref().is_none_or(|p| p.auto().is_none())) {
+            let k = a.seq.drafts_wanted();
+            base_rows += 1 + k;
+            base_tokens += 1.0;
+            if fixed_depth.len() < k {
+                fixed_depth.resize(k, 0);
+            }
+            fixed_depth.iter_mut().take(k).for_each(|n| *n += 1);
+        }
+        let cands: Vec<plan::Candidate> = auto
+            .iter()
+            .map(|&i| {
+                let a = &self.active[i];
+                plan::Candidate {
+                    rates: a.policy.as_ref().and_then(|p| p.auto()).map_or([0.0; AUTO_MAX_DRAFT], |p| p.rates()),
+                    k_max: a.seq.draft_room(AUTO_MAX_DRAFT),
+                    probe: a.idle_rounds >= PROBE_IDLE_EVERY,
+                }
+            })
+            .collect();
+        let chosen = plan::choose(&self.costs, base_rows, base_tokens, &fixed_depth, &cands);
+        for (j, &i) in auto.iter().enumerate() {
+            let a = &mut self.active[i];
+            let k = match &chosen {
+                Some(ks) => {
+                    let longer = ks[j] > 0 && a.rounds % PROBE_LONGER_EVERY == PROBE_LONGER_EVERY - 1;
+                    a.seq.begin_round((ks[j] + usize::from(longer)).min(cands[j].k_max))
+                }
+                None => a.seq.plan(a.policy.as_mut()),
+            };
+            a.rounds += 1;
+            a.idle_rounds = if k == 0 { a.idle_rounds + 1 } else { 0 };
+        }
     }
 
     /// A sequence ends: flush its text, send its outcome, pool its cache.

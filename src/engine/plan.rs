@@ -1,0 +1,203 @@
+//! Draft lengths under load (docs/engine.md, "Draft length under load"): drafts compete with the other
+//! sequences' rows for the flat part of the cost curve, so the engine chooses every `auto` sequence's k
+//! together, from each one's measured acceptance per position and the measured cost of a forward by its
+//! total row count and of a draft step by its batch size, for the most expected tokens per second of the
+//! whole step.
+
+use crate::decode::draft_policy::AUTO_MAX_DRAFT;
+
+/// Largest row count and draft batch whose costs are tracked (larger ones are extrapolated).
+const MAX_ROWS: usize = 512;
+const MAX_BATCH: usize = 128;
+
+/// Measured step costs (exponential moving averages, seconds).
+#[derive(Clone, Debug)]
+pub struct Costs {
+    forward: Vec<Option<f64>>,
+    draft: Vec<Option<f64>>,
+}
+
+impl Default for Costs {
+    fn default() -> Self {
+        Costs { forward: vec![None; MAX_ROWS + 1], draft: vec![None; MAX_BATCH + 1] }
+    }
+}
+
+fn ema(slot: &mut Option<f64>, x: f64) {
+    *slot = Some(slot.map_or(x, |o| 0.8 * o + 0.2 * x));
+}
+
+/// The cost at `n` from the measured points: linear between the nearest below and above, else along the
+/// slope of the two highest below; `None` before anything at or below `n` was measured.
+fn lookup(table: &[Option<f64>], n: usize) -> Option<f64> {
+    let n = n.max(1);
+    if let Some(Some(t)) = table.get(n) {
+        return Some(*t);
+    }
+    let mut below = (1..n.min(table.len())).rev().filter_map(|i| table[i].map(|t| (i, t)));
+    let lo = below.next()?;
+    let above = (n + 1..table.len()).find_map(|i| table[i].map(|t| (i, t)));
+    let slope = match (above, below.next()) {
+        (Some(hi), _) => (hi.1 - lo.1) / (hi.0 - lo.0) as f64,
+        (None, Some(lower)) => ((lo.1 - lower.1) / (lo.0 - lower.0) as f64).max(0.0),
+        // One point: assume each further row costs 5% of it (a memory-bound step); probes refine it.
+        (None, None) => 0.05 * lo.1,
+    };
+    Some(lo.1 + slope * (n - lo.0) as f64)
+}
+
+impl Costs {
+    pub fn record_forward(&mut self, rows: usize, seconds: f64) {
+        if let Some(slot) = self.forward.get_mut(rows) {
+            ema(slot, seconds);
+        }
+    }
+
+    pub fn record_draft(&mut self, batch: usize, seconds: f64) {
+        if let Some(slot) = self.draft.get_mut(batch) {
+            ema(slot, seconds);
+        }
+    }
+
+    fn forward(&self, rows: usize) -> Option<f64> {
+        lookup(&self.forward, rows)
+    }
+
+    fn draft(&self, batch: usize) -> Option<f64> {
+        lookup(&self.draft, batch)
+    }
+}
+
+/// An `auto` sequence ready for a round.
+pub struct Candidate {
+    /// Acceptance rate of each draft position given that it is reached.
+    pub rates: [f64; AUTO_MAX_DRAFT],
+    /// The most drafts its budget allows this round.
+    pub k_max: usize,
+    /// Draft at least one token this round (to keep its acceptance estimates fresh).
+    pub probe: bool,
+}
+
+/// Expected tokens a round of `k` drafts yields (the target's own token included).
+fn expected(rates: &[f64], k: usize) -> f64 {
+    let mut reach = 1.0;
+    let mut e = 1.0;
+    for r in &rates[..k] {
+        reach *= r;
+        e += reach;
+    }
+    e
+}
+
+/// The k of every candidate, given the rest of the step: `base_rows` (prefill chunks and the rows of
+/// sequences whose k is fixed), `base_tokens` (what those sequences yield), and `fixed_depth[j]`, the
+/// number of fixed sequences drafting at depth j. `None` until the costs this needs have been measured.
+pub fn choose(costs: &Costs, base_rows: usize, base_tokens: f64, fixed_depth: &[usize], cands: &[Candidate]) -> Option<Vec<usize>> {
+    costs.forward(1)?;
+    costs.draft(1)?;
+    let mut ks: Vec<usize> = cands.iter().map(|c| usize::from(c.probe && c.k_max > 0)).collect();
+    let objective = |ks: &[usize]| -> f64 {
+        let rows = base_rows + cands.len() + ks.iter().sum::<usize>();
+        let depth = ks.iter().copied().max().unwrap_or(0).max(fixed_depth.len());
+        let mut time = costs.forward(rows).unwrap_or(f64::INFINITY);
+        for j in 0..depth {
+            let n = fixed_depth.get(j).copied().unwrap_or(0) + ks.iter().filter(|&&k| k > j).count();
+            if n > 0 {
+                time += costs.draft(n).unwrap_or(f64::INFINITY);
+            }
+        }
+        let tokens = base_tokens + cands.iter().zip(ks).map(|(c, &k)| expected(&c.rates, k)).sum::<f64>();
+        tokens / time
+    };
+    let mut current = objective(&ks);
+    loop {
+        let mut best: Option<(usize, f64)> = None;
+        for (i, c) in cands.iter().enumerate() {
+            if ks[i] >= c.k_max.min(AUTO_MAX_DRAFT) {
+                continue;
+            }
+            // A draft expected to add under a twentieth of a token is not worth the risk that a noisy
+            // timing makes it look free.
+            let gain = expected(&c.rates, ks[i] + 1) - expected(&c.rates, ks[i]);
+            if gain < 0.05 {
+                continue;
+            }
+            ks[i] += 1;
+            let v = objective(&ks);
+            ks[i] -= 1;
+            if v > current * 1.01 && best.is_none_or(|b| v > b.1) {
+                best = Some((i, v));
+            }
+        }
+        match best {
+            Some((i, v)) => {
+                ks[i] += 1;
+                current = v;
+            }
+            None => return Some(ks),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A machine where a forward costs `base` plus `per_row` per row, and a draft step `draft` plus
+    /// `draft_row` per sequence.
+    fn costs(base: f64, per_row: f64, draft: f64, draft_row: f64) -> Costs {
+        let mut c = Costs::default();
+        for r in [1, 2, 4, 8, 16, 32, 64, 128] {
+            c.record_forward(r, base + per_row * r as f64);
+        }
+        for n in [1, 2, 4, 8, 16, 32] {
+            c.record_draft(n, draft + draft_row * n as f64);
+        }
+        c
+    }
+
+    fn cand(rate: f64) -> Candidate {
+        Candidate { rates: [rate; AUTO_MAX_DRAFT], k_max: 8, probe: false }
+    }
+
+    #[test]
+    fn nothing_is_drafted_before_the_costs_are_known() {
+        assert!(choose(&Costs::default(), 0, 0.0, &[], &[cand(0.9)]).is_none());
+    }
+
+    #[test]
+    fn useless_drafters_do_not_draft_and_good_ones_draft_deep_on_an_idle_memory_bound_machine() {
+        let c = costs(0.040, 0.001, 0.001, 0.0001);
+        assert_eq!(choose(&c, 0, 0.0, &[], &[cand(0.0)]).unwrap(), vec![0]);
+        assert!(choose(&c, 0, 0.0, &[], &[cand(0.9)]).unwrap()[0] >= 5);
+    }
+
+    #[test]
+    fn drafts_get_shorter_as_the_batch_fills_the_flat_part_of_the_curve() {
+        // Flat up to 16 rows, then every row costs like the first.
+        let mut c = Costs::default();
+        for r in 1..=128 {
+            c.record_forward(r, if r <= 16 { 0.040 } else { 0.040 + 0.0025 * (r - 16) as f64 });
+        }
+        for n in 1..=32 {
+            c.record_draft(n, 0.001 + 0.0001 * n as f64);
+        }
+        let alone: usize = choose(&c, 0, 0.0, &[], &[cand(0.7)]).unwrap().iter().sum();
+        let crowded: Vec<usize> = choose(&c, 0, 0.0, &[], &(0..16).map(|_| cand(0.7)).collect::<Vec<_>>()).unwrap();
+        let per_seq = crowded.iter().sum::<usize>() as f64 / 16.0;
+        assert!(alone >= 3 && per_seq < 1.5, "alone k = {alone}, crowded k = {crowded:?}");
+        // A probe drafts one token even when it does not pay.
+        let probe = Candidate { probe: true, ..cand(0.0) };
+        assert_eq!(choose(&c, 0, 0.0, &[], &[probe]).unwrap(), vec![1]);
+    }
+
+    #[test]
+    fn costs_interpolate_and_extrapolate() {
+        let mut c = Costs::default();
+        c.record_forward(1, 1.0);
+        c.record_forward(9, 2.0);
+        assert_eq!(c.forward(5), Some(1.5));
+        assert_eq!(c.forward(17), Some(3.0));
+        assert_eq!(Costs::default().forward(3), None);
+    }
+}
