@@ -9,10 +9,10 @@
 //! one-line `chat template: ...` error, never a panic, an abort, a hang or exhausted memory:
 //! - fuel ([`FUEL`], minijinja's `fuel` feature): about one unit per instruction executed and per 64 bytes
 //!   of data created or iterated (strings, lists, output); builtins that can build large values (`indent`,
-//!   `*`, `~`, `range`, `slice`, `batch`, `center`, `format`, `join`, `replace`, …) check the cost before
-//!   they allocate, so fuel bounds both time (well under a second) and memory (about `FUEL * 64` bytes);
+//!   `*`, `~`, `range`, `slice`, `batch`, `format`, `join`, `replace`, …) check the cost before
+//!   they allocate, so fuel bounds both time (a fraction of a second) and memory (about `FUEL * 64` bytes);
 //! - nesting depth: minijinja's recursion limit ([`RECURSION_LIMIT`]) for macros, loops and blocks, and
-//!   [`MAX_VALUE_DEPTH`] levels for printing values and `tojson` (so a self-referential `namespace` fails);
+//!   [`MAX_VALUE_DEPTH`] levels for printing values, `tojson` and values stored in a namespace;
 //! - size: the rendered text is at most [`MAX_OUTPUT_BYTES`], and a value printed with Python's `str()` or
 //!   serialized by `tojson` at most [`MAX_VALUE_BYTES`]; `tojson`'s `indent` at most [`MAX_JSON_INDENT`];
 //!   `str.format` widths and precisions at most [`MAX_FORMAT_WIDTH`] (minijinja does not charge for them);
