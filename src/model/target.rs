@@ -539,7 +539,7 @@ impl TargetModel {
             outs.push(mine);
             rest = tail;
         }
-        let work: Vec<_> = seqs.iter().zip(spans).zip(outs).map(|((s, sp), o)| (&*s, sp, o)).collect();
+        let work: Vec<_> = seqs.iter().zip(spans).zip(outs).map(|((s, sp), o)| (s, sp, o)).collect();
         if work.len() > 1 {
             work.into_par_iter().for_each(attend_one);
         } else {
