@@ -284,3 +284,61 @@ fn a_finished_sequence_lends_its_prefix_to_the_next_request() {
     assert!(g.stats.cached_prompt_tokens >= p.len(), "reused {} of {} prompt tokens", g.stats.cached_prompt_tokens, p.len());
     check(&m, &second);
 }
+
+#[path = "common/stats.rs"]
+mod stats;
+
+#[test]
+fn seeded_sampling_with_auto_under_load_keeps_the_plain_distribution() {
+    // With `auto`, a sampled request's k depends on the load, so its tokens may differ from a solo run;
+    // their distribution must not. 1200 requests, 24 at a time, against the exact marginals.
+    // The shipped pair: its trained drafter is accepted often enough that auto keeps drafting.
+    let m = models(shipped().join("target"), Some(shipped().join("assistant")));
+    let prompt: Vec<u32> = heldout()[3][..10].to_vec();
+    let params = SamplingParams { temperature: 1.0, top_k: 6, ..SamplingParams::default() };
+    let (m1, m2) = stats::exact_marginals(&m.target, &prompt, &params);
+    let n = 1200;
+    let mut s = Scheduler::new(&m, Limits::default());
+    let mut counts = (std::collections::HashMap::new(), std::collections::HashMap::new());
+    let mut drafted = 0;
+    for batch in 0..n / 24 {
+        let mut cases: Vec<Case> = (0..24)
+            .map(|i| {
+                let seed = (batch * 24 + i) as u64;
+                // Mixed company: some requests are longer, some draft a fixed k, so every auto request
+                // chooses its k under a different load.
+                let o = opts(&m, if i % 3 == 0 { 8 } else { 3 }, SamplingParams { seed, ..params.clone() });
+                let draft = if i % 4 == 1 { DraftLength::Fixed(1 + i % 3) } else { DraftLength::Auto };
+                case(prompt.clone(), o, Some(draft), i % 4, None)
+            })
+            .collect();
+        for c in cases.iter_mut() {
+            c.join = usize::MAX;
+            let req = Request {
+                prompt: Prompt::Ids(c.ids.clone()),
+                opts: c.opts.clone(),
+                stop: Vec::new(),
+                show_thinking: false,
+                draft: c.draft.map(DraftPolicy::from),
+                trace: false,
+            };
+            c.handle = Some(s.submit(req).unwrap());
+        }
+        drive(&mut s, &mut cases);
+        for c in &cases {
+            let o = c.outcome.as_ref().unwrap();
+            let t = &o.generation.tokens;
+            *counts.0.entry(t[1]).or_insert(0) += 1;
+            *counts.1.entry(t[2]).or_insert(0) += 1;
+            if c.draft == Some(DraftLength::Auto) {
+                drafted += o.spec.as_ref().map_or(0, |sp| sp.drafted_tokens);
+            }
+        }
+    }
+    assert!(drafted > 20, "auto drafted under load ({drafted} drafts)");
+    for (i, (c, e)) in [(&counts.0, &m1), (&counts.1, &m2)].into_iter().enumerate() {
+        let (stat, crit) = stats::chi_square(c, e, n);
+        println!("token {}: chi2 {stat:.1} (critical {crit:.1})", i + 1);
+        assert!(stat < crit, "token {} under load differs from plain sampling: chi2 {stat} >= {crit}", i + 1);
+    }
+}
