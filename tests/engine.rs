@@ -94,15 +94,7 @@ fn drive(s: &mut Scheduler<'_>, cases: &mut [Case]) -> usize {
     for step in 0..10_000 {
         for c in cases.iter_mut() {
             if c.join == step {
-                let req = Request {
-                    prompt: Prompt::Ids(c.ids.clone()),
-                    opts: c.opts.clone(),
-                    stop: Vec::new(),
-                    show_thinking: false,
-                    draft: c.draft.map(DraftPolicy::from),
-                    trace: false,
-                };
-                c.handle = Some(s.submit(req).unwrap());
+                c.handle = Some(s.submit(request(&c.ids, &c.opts, c.draft)).unwrap());
             }
             if c.cancel == Some(step) {
                 c.handle.as_ref().unwrap().cancel();
@@ -144,6 +136,25 @@ fn check(m: &Models, cases: &[Case]) {
 
 fn case(ids: Vec<u32>, opts: GenerateOptions, draft: Option<DraftLength>, join: usize, cancel: Option<usize>) -> Case {
     Case { ids, opts, draft, join, cancel, handle: None, streamed: Vec::new(), outcome: None }
+}
+
+fn request(ids: &[u32], opts: &GenerateOptions, draft: Option<DraftLength>) -> Request {
+    Request {
+        prompt: Prompt::Ids(ids.to_vec()),
+        opts: opts.clone(),
+        stop: Vec::new(),
+        show_thinking: false,
+        draft: draft.map(DraftPolicy::from),
+        trace: false,
+    }
+}
+
+/// Submit every case now (instead of at its join step).
+fn submit_all(s: &mut Scheduler<'_>, cases: &mut [Case]) {
+    for c in cases.iter_mut() {
+        c.join = usize::MAX;
+        c.handle = Some(s.submit(request(&c.ids, &c.opts, c.draft)).unwrap());
+    }
 }
 
 #[test]
@@ -200,18 +211,7 @@ fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
     // At most two at once: the third waits, then runs, and all equal their solo runs.
     let mut cases: Vec<Case> = (0..3).map(|i| case(prompt(vocab, 5 + i, i as u64), opts(&m, 10, SamplingParams::default()), None, 0, None)).collect();
     let mut s = Scheduler::new(&m, Limits { max_active: 2, ..Limits::default() });
-    for c in cases.iter_mut() {
-        c.join = usize::MAX;
-        let req = Request {
-            prompt: Prompt::Ids(c.ids.clone()),
-            opts: c.opts.clone(),
-            stop: Vec::new(),
-            show_thinking: false,
-            draft: None,
-            trace: false,
-        };
-        c.handle = Some(s.submit(req).unwrap());
-    }
+    submit_all(&mut s, &mut cases);
     s.step();
     assert_eq!(s.load(), (1, 2), "two run, one waits");
     drive(&mut s, &mut cases);
@@ -220,33 +220,14 @@ fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
     // A budget that fits one reservation at a time serialises the requests.
     let one = {
         let mut probe = Scheduler::new(&m, Limits { pool: 0, ..Limits::default() });
-        let req = Request {
-            prompt: Prompt::Ids(prompt(vocab, 8, 1)),
-            opts: opts(&m, 10, SamplingParams::default()),
-            stop: Vec::new(),
-            show_thinking: false,
-            draft: None,
-            trace: false,
-        };
-        let _h = probe.submit(req).unwrap();
+        let _h = probe.submit(request(&prompt(vocab, 8, 1), &opts(&m, 10, SamplingParams::default()), None)).unwrap();
         probe.step();
         probe.kv_in_use()
     };
     assert!(one > 0);
     let mut s = Scheduler::new(&m, Limits { kv_bytes: one + one / 2, pool: 0, ..Limits::default() });
     let mut cases: Vec<Case> = (0..3).map(|i| case(prompt(vocab, 8, 1 + i), opts(&m, 10, SamplingParams::default()), None, 0, None)).collect();
-    for c in cases.iter_mut() {
-        c.join = usize::MAX;
-        let req = Request {
-            prompt: Prompt::Ids(c.ids.clone()),
-            opts: c.opts.clone(),
-            stop: Vec::new(),
-            show_thinking: false,
-            draft: None,
-            trace: false,
-        };
-        c.handle = Some(s.submit(req).unwrap());
-    }
+    submit_all(&mut s, &mut cases);
     s.step();
     assert_eq!(s.load(), (2, 1), "only one reservation fits the budget");
     drive(&mut s, &mut cases);
@@ -254,15 +235,7 @@ fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
 
     // A request larger than the whole budget is refused at submission.
     let mut s = Scheduler::new(&m, Limits { kv_bytes: one / 4, ..Limits::default() });
-    let req = Request {
-        prompt: Prompt::Ids(prompt(vocab, 8, 1)),
-        opts: opts(&m, 10, SamplingParams::default()),
-        stop: Vec::new(),
-        show_thinking: false,
-        draft: None,
-        trace: false,
-    };
-    let e = s.submit(req).err().expect("refused").to_string();
+    let e = s.submit(request(&prompt(vocab, 8, 1), &opts(&m, 10, SamplingParams::default()), None)).err().expect("refused").to_string();
     assert!(e.contains("bytes of K/V") && e.contains("budget"), "{e}");
 }
 
@@ -312,18 +285,7 @@ fn seeded_sampling_with_auto_under_load_keeps_the_plain_distribution() {
                 case(prompt.clone(), o, Some(draft), i % 4, None)
             })
             .collect();
-        for c in cases.iter_mut() {
-            c.join = usize::MAX;
-            let req = Request {
-                prompt: Prompt::Ids(c.ids.clone()),
-                opts: c.opts.clone(),
-                stop: Vec::new(),
-                show_thinking: false,
-                draft: c.draft.map(DraftPolicy::from),
-                trace: false,
-            };
-            c.handle = Some(s.submit(req).unwrap());
-        }
+        submit_all(&mut s, &mut cases);
         drive(&mut s, &mut cases);
         for c in &cases {
             let o = c.outcome.as_ref().unwrap();
