@@ -470,7 +470,7 @@ impl PairReport {
     }
 }
 
-fn read_prompts(path: &std::path::Path) -> Result<Vec<Vec<u32>>> {
+pub fn read_prompts(path: &std::path::Path) -> Result<Vec<Vec<u32>>> {
     let json = crate::config::read_json(path)?;
     let items = json.as_array().ok_or_else(|| anyhow::anyhow!("{}: expected a JSON list of prompts", path.display()))?;
     let ids = |v: &serde_json::Value| -> Option<Vec<u32>> {
@@ -572,6 +572,8 @@ pub struct ConcurrencyOptions {
     /// When not 0: once every stream has its first token, a request with a prompt this long joins (and
     /// generates one token); the latencies then show what its prefill costs the running streams.
     pub join_prompt: usize,
+    /// Prompts to use (cycled, each cut to `prompt_tokens`); random ids when empty.
+    pub prompts: Vec<Vec<u32>>,
 }
 
 /// One (concurrency, drafting) measurement.
@@ -660,8 +662,10 @@ fn concurrency_once(
     let t0 = Instant::now();
     let mut handles = Vec::new();
     for r in 0..c {
-        let ids: Vec<u32> =
-            (0..opts.prompt_tokens as u64).map(|i| 3 + ((i * 7919 + (r as u64 + salt) * 104_729) % (vocab - 3)) as u32).collect();
+        let ids: Vec<u32> = match opts.prompts.len() {
+            0 => (0..opts.prompt_tokens as u64).map(|i| 3 + ((i * 7919 + (r as u64 + salt) * 104_729) % (vocab - 3)) as u32).collect(),
+            n => opts.prompts[(r + salt as usize) % n].iter().copied().take(opts.prompt_tokens).collect(),
+        };
         let req = Request {
             prompt: Prompt::Ids(ids),
             opts: gen.clone(),

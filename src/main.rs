@@ -184,8 +184,9 @@ struct BenchArgs {
     /// --pair, --concurrency: assistant directory.
     #[arg(long)]
     assistant: Option<PathBuf>,
-    /// --pair: JSON list of prompts (objects with `ids`, or lists of ids).
-    #[arg(long, requires = "pair")]
+    /// --pair, --concurrency: JSON list of prompts (objects with `ids`, or lists of ids; --concurrency
+    /// cycles through them, cut to --prefill tokens, and uses random ids without them).
+    #[arg(long)]
     prompts: Option<PathBuf>,
     /// --pair, --concurrency: draft tokens per round (a number or `auto`; default 4 for --pair, auto for
     /// --concurrency).
@@ -878,8 +879,11 @@ fn reply_summary(g: &Generation, spec: Option<&SpecStats>, reason: &str) -> Stri
 }
 
 fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
-    if !args.pair && args.concurrency.is_none() && (args.model.is_some() || args.assistant.is_some() || args.draft_tokens.is_some()) {
-        bail!("--model, --assistant and --draft-tokens go with --pair or --concurrency");
+    if !args.pair
+        && args.concurrency.is_none()
+        && (args.model.is_some() || args.assistant.is_some() || args.draft_tokens.is_some() || args.prompts.is_some())
+    {
+        bail!("--model, --assistant, --prompts and --draft-tokens go with --pair or --concurrency");
     }
     if let Some(levels) = &args.concurrency {
         return run_concurrency_bench(&args, levels);
@@ -964,6 +968,10 @@ fn run_concurrency_bench(args: &BenchArgs, levels: &str) -> Result<()> {
         draft,
         repeats: args.repeats,
         join_prompt: args.join_prompt,
+        prompts: match &args.prompts {
+            Some(p) => bench::read_prompts(p)?,
+            None => Vec::new(),
+        },
     };
     let report = bench::run_concurrency(&models, &name, &opts, |msg| say!("{msg}"))?;
     if args.json {
