@@ -35,7 +35,12 @@ fn donor(g: &Golden, key: &str, kind: LayerType, n: usize, dtype: DType) -> Laye
 fn f32_distance(g: &Golden, what: &str) -> f32 {
     [5, 8, 9, 10, 20]
         .iter()
-        .map(|n| max_diff(&g.tensor(&format!("draft_{what}_len{n}")).1, &g.tensor(&format!("draft_{what}_f32_compute_len{n}")).1))
+        .map(|n| {
+            max_diff(
+                &g.tensor(&format!("draft_{what}_len{n}")).1,
+                &g.tensor(&format!("draft_{what}_f32_compute_len{n}")).1,
+            )
+        })
         .fold(0.0, f32::max)
 }
 
@@ -62,8 +67,12 @@ fn run_cases(name: &str, target: &str) -> (f32, f32, DType) {
         assert_eq!(step.logits.argmax(), want, "{name} n={n}");
         if n == 20 {
             // The whole round: the same K/V and position, each step fed the previous pick and hidden state.
-            let want_tokens: Vec<u32> =
-                g.json["cases"]["20"]["chain_tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+            let want_tokens: Vec<u32> = g.json["cases"]["20"]["chain_tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect();
             let (_, chain_logits) = g.tensor("chain_logits_len20");
             let (_, chain_hidden) = g.tensor("chain_hidden_len20");
             let (mut token, mut h) = (step.logits.argmax(), step.hidden.clone());
@@ -92,7 +101,12 @@ fn check_bf16(name: &str, target: &str) {
     let (el, eh) = (f32_distance(&g, "logits"), f32_distance(&g, "hidden"));
     println!("{name} ({}): logits {ml:.2e} hidden {mh:.2e}; f32 compute is {el:.2e} / {eh:.2e} away", isa());
     assert!(el > 0.0 && eh > 0.0, "{name}: the f32-compute goldens should differ from the bf16 ones");
-    assert!(ml <= 0.5 * el && mh <= 0.5 * eh, "{name}: logits {ml} (bound {}), hidden {mh} (bound {})", 0.5 * el, 0.5 * eh);
+    assert!(
+        ml <= 0.5 * el && mh <= 0.5 * eh,
+        "{name}: logits {ml} (bound {}), hidden {mh} (bound {})",
+        0.5 * el,
+        0.5 * eh
+    );
     if bit_exact(name).contains(&isa()) {
         assert!(ml == 0.0 && mh == 0.0, "{name}: not bit-exact with the {} kernels: logits {ml}, hidden {mh}", isa());
     }

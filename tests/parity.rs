@@ -66,7 +66,11 @@ fn full_prompt_logits_hidden_and_store_kv_match_transformers() {
         let exact = bit_exact(name);
         println!("{name} ({}): logits max {ml:.2e} mean {al:.2e}; hidden max {mh:.2e} mean {ah:.2e}", isa());
         if exact {
-            assert!(ml == 0.0 && mh == 0.0, "{name}: not bit-exact with the {} kernels: logits {ml}, hidden {mh}", isa());
+            assert!(
+                ml == 0.0 && mh == 0.0,
+                "{name}: not bit-exact with the {} kernels: logits {ml}, hidden {mh}",
+                isa()
+            );
         }
         assert!(ml <= max_tol && al <= mean_tol, "{name}: logits differ: max {ml}, mean {al}");
         assert!(mh <= max_tol * 4.0 && ah <= mean_tol * 4.0, "{name}: hidden differs: max {mh}, mean {ah}");
@@ -107,7 +111,11 @@ fn incremental_decoding_matches_the_full_forward() {
         let m = max_diff(&got, want);
         assert!(m <= max_tol, "{name}: incremental logits differ from the full forward by {m}");
         // transformers' own incremental run equals its full forward bit for bit in bf16 (make_fixtures.py checks).
-        assert!(m == 0.0 || !bit_exact(name), "{name}: incremental logits not bit-exact with the {} kernels: {m}", isa());
+        assert!(
+            m == 0.0 || !bit_exact(name),
+            "{name}: incremental logits not bit-exact with the {} kernels: {m}",
+            isa()
+        );
     }
 }
 
@@ -230,7 +238,11 @@ fn greedy_generation_matches_transformers() {
         let got = generate(&model, &prompt, &opts, |_| {}).unwrap().tokens;
         // Compare until the reference's own top-2 margin is a near-tie that rounding may flip (all the way
         // when the logits are bit-exact: then even exact ties must break the same way).
-        let checked = if bit_exact(name) { want.len() } else { margins.iter().position(|m| *m < near_tie(&g)).unwrap_or(want.len()) };
+        let checked = if bit_exact(name) {
+            want.len()
+        } else {
+            margins.iter().position(|m| *m < near_tie(&g)).unwrap_or(want.len())
+        };
         println!("{name}: {checked} greedy steps compared");
         assert_eq!(&got[..checked], &want[..checked], "{name}: greedy tokens differ");
         assert!(checked >= 24, "{name}: only {checked} steps before a near-tie");
@@ -263,7 +275,8 @@ fn long_context_at_real_head_dims_matches_transformers() {
         for (part, got) in [("k", kv.to_f32(false)), ("v", kv.to_f32(true))] {
             let (shape, want) = g.tensor(&format!("{key}_{part}"));
             let (heads, t, d) = (shape[0], shape[1], shape[2]);
-            let held: Vec<f32> = (0..heads).flat_map(|h| want[(h * t + kv.start) * d..(h + 1) * t * d].to_vec()).collect();
+            let held: Vec<f32> =
+                (0..heads).flat_map(|h| want[(h * t + kv.start) * d..(h + 1) * t * d].to_vec()).collect();
             let m = max_diff(&got, &held);
             assert!(m <= max_tol, "{key}_{part} differs by {m}");
         }
@@ -304,5 +317,10 @@ fn the_working_set_of_a_moe_model_counts_every_expert() {
     let moe = TargetModel::load(&fixture_dir("t2-moe")).unwrap();
     let cfg = moe.cfg.moe.unwrap();
     assert!(cfg.top_k < cfg.num_experts);
-    assert!(moe.working_set_bytes() > moe.bytes_per_token(), "{} vs {}", moe.working_set_bytes(), moe.bytes_per_token());
+    assert!(
+        moe.working_set_bytes() > moe.bytes_per_token(),
+        "{} vs {}",
+        moe.working_set_bytes(),
+        moe.bytes_per_token()
+    );
 }
