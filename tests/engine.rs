@@ -7,7 +7,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::fixture_dir;
+use common::{fixture_dir, stats};
 use serde_json::Value;
 use tandem::decode::draft_policy::{DraftLength, DraftPolicy};
 use tandem::decode::generate::{generate, GenerateOptions};
@@ -257,9 +257,6 @@ fn a_finished_sequence_lends_its_prefix_to_the_next_request() {
     assert!(g.stats.cached_prompt_tokens >= p.len(), "reused {} of {} prompt tokens", g.stats.cached_prompt_tokens, p.len());
     check(&m, &second);
 }
-
-#[path = "common/stats.rs"]
-mod stats;
 
 #[test]
 fn seeded_sampling_with_auto_under_load_keeps_the_plain_distribution() {

@@ -7,12 +7,11 @@
 mod common;
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::fixture_dir;
+use common::{fixture_dir, scratch_copy};
 use serde_json::{json, Value};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -74,19 +73,6 @@ fn expect_error(args: &[&str], needle: &str) {
     assert_eq!(lines.len(), 1, "{args:?}: expected one line, got {:?}", r.err);
     assert!(lines[0].starts_with("error: "), "{args:?}: {:?}", r.err);
     assert!(r.err.contains(needle), "{args:?}: error {:?} should mention {needle:?}", r.err);
-}
-
-/// A scratch copy of a fixture directory that a test may break.
-fn scratch_copy(name: &str) -> PathBuf {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!("tandem-hostile-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst)));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    for entry in std::fs::read_dir(fixture_dir(name)).unwrap() {
-        let p = entry.unwrap().path();
-        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
-    }
-    dir
 }
 
 fn edit_json(path: &Path, f: impl FnOnce(&mut Value)) {

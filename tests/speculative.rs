@@ -6,13 +6,14 @@ mod common;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
+use common::stats::{chi_square, exact_marginals};
 use common::*;
 use tandem::decode::generate::{generate, generate_until, Flow, GenerateOptions};
-use tandem::decode::sampling::{Rng, Sampler, SamplingParams};
+use tandem::decode::sampling::{Rng, SamplingParams};
 use tandem::decode::draft_policy::{DraftLength, DraftPolicy};
 use tandem::decode::speculative::{generate_speculative, generate_speculative_until, Drafter};
 use tandem::model::assistant::{Assistant, DraftLogits, DraftStep};
-use tandem::model::{Keep, KvCache, TargetModel};
+use tandem::model::{KvCache, TargetModel};
 
 fn opts(max_new: usize, sampling: SamplingParams) -> GenerateOptions {
     GenerateOptions { max_new_tokens: max_new, ignore_eos: true, sampling, top_logprobs: None, context_limit: 512 }
@@ -162,59 +163,6 @@ fn eos_and_max_new_tokens_are_exact() {
     assert_eq!(g.tokens, plain[..=at]);
     assert_eq!(streamed, g.tokens, "only committed tokens are streamed");
     assert_eq!(g.finish_reason, tandem::decode::generate::FinishReason::Stop);
-}
-
-/// Exact distribution of the generated tokens at indices 1 and 2 (the ones a first drafting round
-/// produces) under plain sampling, by enumerating the support (top-k keeps it small).
-fn exact_marginals(target: &TargetModel, prompt: &[u32], params: &SamplingParams) -> (HashMap<u32, f64>, HashMap<u32, f64>) {
-    let sampler = Sampler::new(params.clone());
-    let probs_after = |seq: &[u32]| -> Vec<(u32, f64)> {
-        let mut cache = target.new_cache();
-        let out = target.forward(&mut cache, seq, Keep::Last).unwrap();
-        sampler.probs(out.logits_row(0), seq).iter().enumerate().filter(|(_, p)| **p > 0.0).map(|(i, p)| (i as u32, *p as f64)).collect()
-    };
-    let (mut m1, mut m2) = (HashMap::new(), HashMap::new());
-    for (t0, p0) in probs_after(prompt) {
-        let s0: Vec<u32> = prompt.iter().copied().chain([t0]).collect();
-        for (t1, p1) in probs_after(&s0) {
-            *m1.entry(t1).or_insert(0.0) += p0 * p1;
-            let s1: Vec<u32> = s0.iter().copied().chain([t1]).collect();
-            for (t2, p2) in probs_after(&s1) {
-                *m2.entry(t2).or_insert(0.0) += p0 * p1 * p2;
-            }
-        }
-    }
-    (m1, m2)
-}
-
-/// Pearson chi-square of observed counts against expected probabilities (cells below 5 expected pooled),
-/// and the 1e-4 critical value for its degrees of freedom (Wilson–Hilferty).
-fn chi_square(counts: &HashMap<u32, usize>, expected: &HashMap<u32, f64>, n: usize) -> (f64, f64) {
-    let (mut stat, mut cells) = (0.0, 0usize);
-    let (mut pool_obs, mut pool_exp) = (0.0, 0.0);
-    for (t, p) in expected {
-        let e = p * n as f64;
-        let o = *counts.get(t).unwrap_or(&0) as f64;
-        if e < 5.0 {
-            pool_obs += o;
-            pool_exp += e;
-        } else {
-            stat += (o - e).powi(2) / e;
-            cells += 1;
-        }
-    }
-    let outside: usize = counts.iter().filter(|(t, _)| !expected.contains_key(t)).map(|(_, c)| *c).sum();
-    pool_obs += outside as f64;
-    if pool_exp > 0.0 {
-        stat += (pool_obs - pool_exp).powi(2) / pool_exp.max(1e-9);
-        cells += 1;
-    } else {
-        assert_eq!(outside, 0, "tokens outside the support were drawn");
-    }
-    let df = (cells - 1) as f64;
-    let z = 3.719; // one-sided 1e-4
-    let crit = df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3);
-    (stat, crit)
 }
 
 #[test]

@@ -4,11 +4,9 @@
 mod common;
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::fixture_dir;
+use common::{fixture_dir, scratch_copy};
 use serde_json::Value;
 use tandem::text::TextTokenizer;
 
@@ -173,19 +171,6 @@ fn eos_ends_the_text_without_printing_it() {
     assert_eq!(v["text"].as_str().unwrap(), format!("{text}<eos>"));
 }
 
-static N: AtomicUsize = AtomicUsize::new(0);
-
-/// A scratch copy of a fixture directory that a test may change.
-fn scratch_copy(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tandem-textcli-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst)));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    for entry in std::fs::read_dir(fixture_dir(name)).unwrap() {
-        let p = entry.unwrap().path();
-        std::fs::copy(&p, d.join(p.file_name().unwrap())).unwrap();
-    }
-    d
-}
 
 fn expect_error(args: &[&str], needle: &str) {
     let (code, _out, err) = tandem(args);

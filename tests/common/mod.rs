@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests: fixture paths and golden files.
 #![allow(dead_code)]
 
+pub mod stats;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -12,6 +14,20 @@ pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
+/// A scratch copy of a fixture directory that a test may break (a new directory on every call).
+pub fn scratch_copy(name: &str) -> PathBuf {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let dir = std::env::temp_dir().join(format!("tandem-scratch-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(fixture_dir(name)).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    dir
+}
+
 pub struct Golden {
     pub json: Value,
     pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
@@ -20,8 +36,8 @@ pub struct Golden {
 impl Golden {
     pub fn load(name: &str) -> Golden {
         let dir = fixture_dir(name);
-        let json: Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).expect("golden.json")).expect("json");
+        let json: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).expect("golden.json"))
+            .expect("json");
         let bytes = std::fs::read(dir.join("golden.safetensors")).expect("golden.safetensors");
         let st = safetensors::SafeTensors::deserialize(&bytes).expect("golden safetensors");
         let mut tensors = HashMap::new();
