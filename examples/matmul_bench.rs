@@ -26,7 +26,16 @@ struct Args {
 }
 
 fn parse_args() -> Args {
-    let mut a = Args { isa: isa(), quick: false, prefill: false, small: false, dtype: DType::BF16, ms: None, shape: None, align: None };
+    let mut a = Args {
+        isa: isa(),
+        quick: false,
+        prefill: false,
+        small: false,
+        dtype: DType::BF16,
+        ms: None,
+        shape: None,
+        align: None,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         match arg.as_str() {
@@ -202,7 +211,8 @@ fn main() {
     }
     if a.small {
         // Where threading starts to pay: compare with `--threads 1`.
-        for (rows, cols) in [(64, 1536), (128, 1536), (256, 1536), (512, 1536), (1024, 1536), (1536, 256), (1536, 512)] {
+        for (rows, cols) in [(64, 1536), (128, 1536), (256, 1536), (512, 1536), (1024, 1536), (1536, 256), (1536, 512)]
+        {
             bench_shape(&a, rows, cols, &[1, 4, 16]);
         }
     }

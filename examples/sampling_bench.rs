@@ -12,16 +12,23 @@ fn main() {
         ("greedy", SamplingParams::default()),
         ("t=1", SamplingParams { temperature: 1.0, ..SamplingParams::default() }),
         ("t=0.8 top_p=0.95", SamplingParams { temperature: 0.8, top_p: 0.95, ..SamplingParams::default() }),
-        ("t=1 top_k=64 top_p=0.95", SamplingParams { temperature: 1.0, top_k: 64, top_p: 0.95, ..SamplingParams::default() }),
+        (
+            "t=1 top_k=64 top_p=0.95",
+            SamplingParams { temperature: 1.0, top_k: 64, top_p: 0.95, ..SamplingParams::default() },
+        ),
         ("t=1 rep 1.1", SamplingParams { temperature: 1.0, repeat_penalty: 1.1, ..SamplingParams::default() }),
     ] {
         let mut s = Sampler::new(p);
         let hist: Vec<u32> = (0..500).collect();
         let t = Instant::now();
-        for _ in 0..20 { s.sample(&logits, &hist); }
+        for _ in 0..20 {
+            s.sample(&logits, &hist);
+        }
         let a = t.elapsed().as_secs_f64() * 1e3 / 20.0;
         let t = Instant::now();
-        for _ in 0..20 { std::hint::black_box(s.probs(&logits, &hist)); }
+        for _ in 0..20 {
+            std::hint::black_box(s.probs(&logits, &hist));
+        }
         let b = t.elapsed().as_secs_f64() * 1e3 / 20.0;
         println!("{name:28} sample {a:.3} ms   probs {b:.3} ms");
     }

@@ -15,8 +15,11 @@ use std::sync::OnceLock;
 use serde_json::{json, Value};
 use tandem::text::{ChatTemplate, Decode, RenderOptions, TextTokenizer};
 
+/// What a fuzz target runs on one input.
+pub type Target = fn(&[u8]);
+
 /// The fuzz targets by name, as `fuzz/fuzz_targets/<name>.rs` and `fuzz/seeds/<name>/` call them.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Target)] = &[
     ("config", config),
     ("weights", weights),
     ("template", template),
@@ -210,7 +213,8 @@ fn shipped() -> &'static [(TextTokenizer, ChatTemplate)] {
             .iter()
             .map(|d| {
                 let tok = TextTokenizer::load(&repo_root().join(d)).expect("shipped tokenizer");
-                let t = ChatTemplate::new(tok.chat_template().expect("shipped template")).expect("shipped template compiles");
+                let t = ChatTemplate::new(tok.chat_template().expect("shipped template"))
+                    .expect("shipped template compiles");
                 (tok, t)
             })
             .collect()
@@ -253,7 +257,8 @@ pub fn params(data: &[u8]) {
     let ids = parse_ids(next());
     let seed = parse_seed(next());
     let top_k = parse_top_k(next());
-    let floats: Vec<_> = ["temperature", "top-p", "min-p", "repeat-penalty"].iter().map(|n| parse_float(n, next())).collect();
+    let floats: Vec<_> =
+        ["temperature", "top-p", "min-p", "repeat-penalty"].iter().map(|n| parse_float(n, next())).collect();
     if let Ok(d) = tandem::decode::draft_policy::DraftLength::parse(next()) {
         let policy = tandem::decode::draft_policy::DraftPolicy::from(d);
         let _ = (policy.describe(), policy.max_draft(), d.to_string());

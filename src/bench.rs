@@ -7,9 +7,11 @@ use rayon::prelude::*;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::config::{parse_assistant_config, parse_model_config, AssistantConfig, DraftHead, KvMode, LayerType, TextConfig};
-use crate::model::assistant::Assistant;
+use crate::config::{
+    parse_assistant_config, parse_model_config, AssistantConfig, DraftHead, KvMode, LayerType, TextConfig,
+};
 use crate::kernels::{self, DType};
+use crate::model::assistant::Assistant;
 use crate::model::{Keep, TargetModel};
 use crate::weights::{Tensor, WeightStore};
 
@@ -97,12 +99,38 @@ pub fn random_assistant(cfg: &AssistantConfig, seed: u64) -> Result<Assistant> {
         let p = format!("model.layers.{i}.");
         let (d, s) = (lc.head_dim, seed + 10 * (i as u64 + 1));
         tensors.push(random_tensor(&format!("{p}self_attn.q_proj.weight"), vec![t.num_heads * d, hd], 0.02, 0.0, s));
-        tensors.push(random_tensor(&format!("{p}self_attn.o_proj.weight"), vec![hd, t.num_heads * d], 0.02, 0.0, s + 1));
+        tensors.push(random_tensor(
+            &format!("{p}self_attn.o_proj.weight"),
+            vec![hd, t.num_heads * d],
+            0.02,
+            0.0,
+            s + 1,
+        ));
         tensors.push(random_tensor(&format!("{p}self_attn.q_norm.weight"), vec![d], 0.1, 1.0, s + 2));
-        tensors.push(random_tensor(&format!("{p}mlp.gate_proj.weight"), vec![lc.intermediate_size, hd], 0.02, 0.0, s + 3));
-        tensors.push(random_tensor(&format!("{p}mlp.up_proj.weight"), vec![lc.intermediate_size, hd], 0.02, 0.0, s + 4));
-        tensors.push(random_tensor(&format!("{p}mlp.down_proj.weight"), vec![hd, lc.intermediate_size], 0.02, 0.0, s + 5));
-        for n in ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+        tensors.push(random_tensor(
+            &format!("{p}mlp.gate_proj.weight"),
+            vec![lc.intermediate_size, hd],
+            0.02,
+            0.0,
+            s + 3,
+        ));
+        tensors.push(random_tensor(
+            &format!("{p}mlp.up_proj.weight"),
+            vec![lc.intermediate_size, hd],
+            0.02,
+            0.0,
+            s + 4,
+        ));
+        tensors.push(random_tensor(
+            &format!("{p}mlp.down_proj.weight"),
+            vec![hd, lc.intermediate_size],
+            0.02,
+            0.0,
+            s + 5,
+        ));
+        for n in
+            ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        {
             tensors.push(random_tensor(&format!("{p}{n}.weight"), vec![hd], 0.1, 1.0, s + 6));
         }
     }
@@ -151,7 +179,9 @@ pub fn random_model(cfg: &TextConfig, seed: u64) -> Result<TargetModel> {
         mat(format!("{p}mlp.gate_proj.weight"), vec![inter, h], 0.02);
         mat(format!("{p}mlp.up_proj.weight"), vec![inter, h], 0.02);
         mat(format!("{p}mlp.down_proj.weight"), vec![h, inter], 0.02);
-        for n in ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+        for n in
+            ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        {
             norms.push(norm(format!("{p}{n}.weight"), h, 5 + i as u64));
         }
         if let Some(pc) = cfg.ple {
@@ -175,7 +205,10 @@ pub fn random_model(cfg: &TextConfig, seed: u64) -> Result<TargetModel> {
             );
         }
     }
-    let tensors = specs.into_iter().map(|(name, shape, scale, offset, seed)| random_tensor(&name, shape, scale, offset, seed)).collect();
+    let tensors = specs
+        .into_iter()
+        .map(|(name, shape, scale, offset, seed)| random_tensor(&name, shape, scale, offset, seed))
+        .collect();
     TargetModel::from_store(cfg.clone(), &WeightStore::from_tensors(tensors))
 }
 
@@ -291,7 +324,12 @@ pub fn run(opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
     // Positions the run needs: the prompt, a warm-up step, the decode steps, then the multi-row forwards
     // (rolled back after each).
     let ctx = cfg.max_position_embeddings;
-    match opts.prefill_tokens.checked_add(1).and_then(|n| n.checked_add(opts.decode_steps)).and_then(|n| n.checked_add(opts.max_rows)) {
+    match opts
+        .prefill_tokens
+        .checked_add(1)
+        .and_then(|n| n.checked_add(opts.decode_steps))
+        .and_then(|n| n.checked_add(opts.max_rows))
+    {
         Some(n) if n <= ctx => {}
         _ => bail!(
             "--prefill {} + --decode {} + --rows {} (+1 warm-up step) exceed the model's context of {ctx} positions",
@@ -387,7 +425,9 @@ mod tests {
 
     #[test]
     fn presets_are_valid_pairs_at_real_dimensions() {
-        for (preset, layers, hidden) in [(Preset::E2b, 10, 1536), (Preset::E2b, 35, 1536), (Preset::E4b, 12, 2560), (Preset::E4b, 42, 2560)] {
+        for (preset, layers, hidden) in
+            [(Preset::E2b, 10, 1536), (Preset::E2b, 35, 1536), (Preset::E4b, 12, 2560), (Preset::E4b, 42, 2560)]
+        {
             let t = preset.config(layers).unwrap();
             assert_eq!((t.hidden_size, t.num_layers(), t.vocab_size), (hidden, layers, 262_144));
             assert!(t.store_layer(LayerType::Sliding).is_some() && t.store_layer(LayerType::Full).is_some());
@@ -447,10 +487,7 @@ impl PairReport {
             self.prompts, self.generated_tokens, self.draft_tokens
         );
         s += &format!("plain decode:       {:.1} tok/s\n", self.plain_decode_tokens_per_s);
-        s += &format!(
-            "speculative decode: {:.1} tok/s ({:.2}x)\n",
-            self.speculative_decode_tokens_per_s, self.speedup
-        );
+        s += &format!("speculative decode: {:.1} tok/s ({:.2}x)\n", self.speculative_decode_tokens_per_s, self.speedup);
         s += &format!(
             "accepted drafts: {:.2} per round ({:.0}% of drafts)\nacceptance by position:",
             self.mean_accepted_per_round,
@@ -465,14 +502,18 @@ impl PairReport {
             100.0 * self.draft_step_ratio,
             self.target_step_ms
         );
-        s += &format!("\noutput identical with and without drafting: {}\n", if self.identical_output { "yes" } else { "NO" });
+        s += &format!(
+            "\noutput identical with and without drafting: {}\n",
+            if self.identical_output { "yes" } else { "NO" }
+        );
         s
     }
 }
 
 pub fn read_prompts(path: &std::path::Path) -> Result<Vec<Vec<u32>>> {
     let json = crate::config::read_json(path)?;
-    let items = json.as_array().ok_or_else(|| anyhow::anyhow!("{}: expected a JSON list of prompts", path.display()))?;
+    let items =
+        json.as_array().ok_or_else(|| anyhow::anyhow!("{}: expected a JSON list of prompts", path.display()))?;
     let ids = |v: &serde_json::Value| -> Option<Vec<u32>> {
         v.as_array()?.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
     };
@@ -663,7 +704,9 @@ fn concurrency_once(
     let mut handles = Vec::new();
     for r in 0..c {
         let ids: Vec<u32> = match opts.prompts.len() {
-            0 => (0..opts.prompt_tokens as u64).map(|i| 3 + ((i * 7919 + (r as u64 + salt) * 104_729) % (vocab - 3)) as u32).collect(),
+            0 => (0..opts.prompt_tokens as u64)
+                .map(|i| 3 + ((i * 7919 + (r as u64 + salt) * 104_729) % (vocab - 3)) as u32)
+                .collect(),
             n => opts.prompts[(r + salt as usize) % n].iter().copied().take(opts.prompt_tokens).collect(),
         };
         let req = Request {
@@ -683,9 +726,17 @@ fn concurrency_once(
     let mut joiner = None;
     while open > 0 {
         if opts.join_prompt > 0 && joiner.is_none() && arrivals.iter().all(|a| !a.is_empty()) {
-            let ids: Vec<u32> = (0..opts.join_prompt as u64).map(|i| 3 + ((i * 15_485_863 + salt) % (vocab - 3)) as u32).collect();
+            let ids: Vec<u32> =
+                (0..opts.join_prompt as u64).map(|i| 3 + ((i * 15_485_863 + salt) % (vocab - 3)) as u32).collect();
             let o = crate::decode::generate::GenerateOptions { max_new_tokens: 1, ..gen.clone() };
-            let req = Request { prompt: Prompt::Ids(ids), opts: o, stop: Vec::new(), show_thinking: false, draft: None, trace: false };
+            let req = Request {
+                prompt: Prompt::Ids(ids),
+                opts: o,
+                stop: Vec::new(),
+                show_thinking: false,
+                draft: None,
+                trace: false,
+            };
             joiner = Some(s.submit(req)?);
         }
         let report = s.step();
@@ -748,7 +799,12 @@ fn concurrency_once(
 
 /// Every concurrency level with drafting off and (with an assistant) on, interleaved `repeats` times;
 /// each row is the median repetition (by aggregate throughput).
-pub fn run_concurrency(models: &crate::engine::Models, name: &str, opts: &ConcurrencyOptions, log: impl Fn(&str)) -> Result<ConcurrencyReport> {
+pub fn run_concurrency(
+    models: &crate::engine::Models,
+    name: &str,
+    opts: &ConcurrencyOptions,
+    log: impl Fn(&str),
+) -> Result<ConcurrencyReport> {
     if opts.levels.is_empty() || opts.levels.iter().any(|&c| c == 0 || c > 256) {
         bail!("--concurrency takes levels from 1 to 256, e.g. 1,2,4,8");
     }
@@ -757,7 +813,11 @@ pub fn run_concurrency(models: &crate::engine::Models, name: &str, opts: &Concur
     }
     let ctx = models.target.cfg.max_position_embeddings;
     if opts.prompt_tokens.saturating_add(opts.new_tokens) >= ctx {
-        bail!("--prefill {} + --decode {} exceed the model's context of {ctx} positions", opts.prompt_tokens, opts.new_tokens);
+        bail!(
+            "--prefill {} + --decode {} exceed the model's context of {ctx} positions",
+            opts.prompt_tokens,
+            opts.new_tokens
+        );
     }
     let modes: Vec<Option<crate::decode::draft_policy::DraftLength>> = match (opts.draft, &models.assistant) {
         (Some(d), Some(_)) => vec![None, Some(d)],
@@ -769,7 +829,12 @@ pub fn run_concurrency(models: &crate::engine::Models, name: &str, opts: &Concur
         let mut runs: Vec<Vec<ConcurrencyRow>> = vec![Vec::new(); modes.len()];
         for rep in 0..opts.repeats.max(1) {
             for (m, &mode) in modes.iter().enumerate() {
-                log(&format!("{c} streams, draft {}, run {}/{}", mode.map_or("off".into(), |d| d.to_string()), rep + 1, opts.repeats.max(1)));
+                log(&format!(
+                    "{c} streams, draft {}, run {}/{}",
+                    mode.map_or("off".into(), |d| d.to_string()),
+                    rep + 1,
+                    opts.repeats.max(1)
+                ));
                 runs[m].push(concurrency_once(models, c, opts, mode, rep as u64 * 1000)?);
             }
         }
@@ -778,5 +843,10 @@ pub fn run_concurrency(models: &crate::engine::Models, name: &str, opts: &Concur
             rows.push(r[r.len() / 2].clone());
         }
     }
-    Ok(ConcurrencyReport { model: name.to_string(), prompt_tokens: opts.prompt_tokens, new_tokens: opts.new_tokens, rows })
+    Ok(ConcurrencyReport {
+        model: name.to_string(),
+        prompt_tokens: opts.prompt_tokens,
+        new_tokens: opts.new_tokens,
+        rows,
+    })
 }

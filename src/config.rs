@@ -37,7 +37,9 @@ pub enum KvMode {
 pub enum RopeKind {
     Default,
     /// Only the first `floor(partial_rotary_factor·D/2)` frequency pairs rotate; exponents use the full D.
-    Proportional { partial_rotary_factor: f32 },
+    Proportional {
+        partial_rotary_factor: f32,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -144,7 +146,8 @@ pub fn load_model_config(dir: &Path) -> Result<ModelConfig> {
     let mut cfg = parse_model_config(&read_json(&path)?).with_context(|| format!("{}", path.display()))?;
     let gen_path = dir.join("generation_config.json");
     if crate::files::exists(&gen_path) {
-        apply_generation_config(&mut cfg.text, &read_json(&gen_path)?).with_context(|| format!("{}", gen_path.display()))?;
+        apply_generation_config(&mut cfg.text, &read_json(&gen_path)?)
+            .with_context(|| format!("{}", gen_path.display()))?;
     }
     Ok(cfg)
 }
@@ -243,11 +246,14 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
     let final_logit_softcapping = match obj.get("final_logit_softcapping") {
         None | Some(Value::Null) => None,
         Some(v) => {
-            let c = v.as_f64().ok_or_else(|| anyhow!("field `{ctx}final_logit_softcapping` must be a number or null"))?;
+            let c =
+                v.as_f64().ok_or_else(|| anyhow!("field `{ctx}final_logit_softcapping` must be a number or null"))?;
             // The cap divides and multiplies the logits in f32: it must be a normal f32 value (1e308 is
             // infinite there, 1e-46 zero, and either turns every logit into NaN).
             if !(c > 0.0 && is_normal_f32(c)) {
-                bail!("field `{ctx}final_logit_softcapping` must be a positive number within f32's normal range, got {c}");
+                bail!(
+                    "field `{ctx}final_logit_softcapping` must be a positive number within f32's normal range, got {c}"
+                );
             }
             Some(c as f32)
         }
@@ -274,10 +280,7 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
         Some(v) => bail!("field `{ctx}layer_types` must be a list, got {v}"),
     };
     if layer_types.len() != num_layers {
-        bail!(
-            "field `{ctx}layer_types` has {} entries but `num_hidden_layers` is {num_layers}",
-            layer_types.len()
-        );
+        bail!("field `{ctx}layer_types` has {} entries but `num_hidden_layers` is {num_layers}", layer_types.len());
     }
     if let Some(last) = layer_types.last_mut() {
         *last = LayerType::Full;
@@ -299,9 +302,8 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
                 if idx >= num_layers {
                     bail!("field `{ctx}per_layer_config` names layer {idx} but the model has {num_layers} layers");
                 }
-                let over = over
-                    .as_object()
-                    .ok_or_else(|| anyhow!("field `{ctx}per_layer_config.{key}` must be an object"))?;
+                let over =
+                    over.as_object().ok_or_else(|| anyhow!("field `{ctx}per_layer_config.{key}` must be an object"))?;
                 let inner_ctx = format!("{ctx}per_layer_config.{key}.");
                 let lf = Fields { obj: over, ctx: &inner_ctx };
                 for (name, value) in over {
@@ -309,7 +311,9 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
                         "head_dim" | "num_key_value_heads" => {}
                         // Any other override must restate the global value, or we would compute the wrong model.
                         other if obj.get(other) == Some(value) => {}
-                        other => bail!("field `{inner_ctx}{other}` overrides a per-layer value tandem does not support"),
+                        other => {
+                            bail!("field `{inner_ctx}{other}` overrides a per-layer value tandem does not support")
+                        }
                     }
                 }
                 geometry[idx] = (lf.positive("head_dim", head_dim)?, lf.positive("num_key_value_heads", num_kv_heads)?);
@@ -385,7 +389,11 @@ pub fn parse_text_config(obj: &Map<String, Value>, model_type: &str, ctx: &str) 
             k_eq_v: k_eq_v && kind == LayerType::Full,
             kv_mode: modes[i],
             kv_source,
-            intermediate_size: if double_wide && modes[i] == KvMode::Reuse { 2 * intermediate_size } else { intermediate_size },
+            intermediate_size: if double_wide && modes[i] == KvMode::Reuse {
+                2 * intermediate_size
+            } else {
+                intermediate_size
+            },
         });
     }
     // A reuse layer reads its store layer's cache, so their geometries must agree; and the drafter reads
@@ -479,7 +487,10 @@ fn tensor_elements(dims: &[(&str, usize)], ctx: &str) -> Result<usize> {
         Some(n) if n <= MAX_TENSOR_ELEMENTS => Ok(n),
         _ => {
             let names: Vec<String> = dims.iter().map(|(name, d)| format!("{ctx}{name} = {d}")).collect();
-            bail!("fields {} imply a tensor of more than {MAX_TENSOR_ELEMENTS} elements; not a real checkpoint", names.join(" x "))
+            bail!(
+                "fields {} imply a tensor of more than {MAX_TENSOR_ELEMENTS} elements; not a real checkpoint",
+                names.join(" x ")
+            )
         }
     }
 }
@@ -496,11 +507,18 @@ fn check_tensor_sizes(c: &TextConfig, ctx: &str) -> Result<()> {
         tensor_elements(&[("2", 2), ("intermediate_size", l.intermediate_size), h], ctx)?;
     }
     if let Some(m) = c.moe {
-        tensor_elements(&[("num_experts", m.num_experts), ("2", 2), ("moe_intermediate_size", m.intermediate_size), h], ctx)?;
+        tensor_elements(
+            &[("num_experts", m.num_experts), ("2", 2), ("moe_intermediate_size", m.intermediate_size), h],
+            ctx,
+        )?;
     }
     if let Some(p) = c.ple {
-        let width = tensor_elements(&[("num_hidden_layers", c.layers.len()), ("hidden_size_per_layer_input", p.dim)], ctx)?;
-        tensor_elements(&[("vocab_size_per_layer_input", p.vocab_size), ("num_hidden_layers x hidden_size_per_layer_input", width)], ctx)?;
+        let width =
+            tensor_elements(&[("num_hidden_layers", c.layers.len()), ("hidden_size_per_layer_input", p.dim)], ctx)?;
+        tensor_elements(
+            &[("vocab_size_per_layer_input", p.vocab_size), ("num_hidden_layers x hidden_size_per_layer_input", width)],
+            ctx,
+        )?;
         tensor_elements(&[("num_hidden_layers x hidden_size_per_layer_input", width), h], ctx)?;
     }
     Ok(())
@@ -727,7 +745,10 @@ mod tests {
             (json!({"model_type":"gemma4"}), "text_config"),
             (json!({"model_type":"gemma4_text","hidden_size":"big"}), "hidden_size"),
             (json!({"model_type":"gemma4_text","hidden_size":0}), "hidden_size"),
-            (json!({"model_type":"gemma4_text","num_hidden_layers":2,"layer_types":["sliding_attention"]}), "layer_types"),
+            (
+                json!({"model_type":"gemma4_text","num_hidden_layers":2,"layer_types":["sliding_attention"]}),
+                "layer_types",
+            ),
             (json!({"model_type":"gemma4_text","num_hidden_layers":1,"layer_types":["local"]}), "layer_types[0]"),
             (json!({"model_type":"gemma4_text","num_kv_shared_layers":31}), "num_kv_shared_layers"),
             (json!({"model_type":"gemma4_text","enable_moe_block":true}), "num_experts"),
@@ -735,9 +756,15 @@ mod tests {
             (json!({"model_type":"gemma4_text","hidden_activation":"silu"}), "hidden_activation"),
             (json!({"model_type":"gemma4_text","eos_token_id":[1,"x"]}), "eos_token_id"),
             (json!({"model_type":"gemma4_text","vocab_size":10,"eos_token_id":11}), "eos_token_id"),
-            (json!({"model_type":"gemma4_text","rope_parameters":{"full_attention":{}}}), "rope_parameters.sliding_attention"),
-            (json!({"model_type":"gemma4_text","rope_parameters":{"sliding_attention":{"rope_theta":1e4},
-                "full_attention":{"rope_type":"yarn","rope_theta":1e6}}}), "rope_type"),
+            (
+                json!({"model_type":"gemma4_text","rope_parameters":{"full_attention":{}}}),
+                "rope_parameters.sliding_attention",
+            ),
+            (
+                json!({"model_type":"gemma4_text","rope_parameters":{"sliding_attention":{"rope_theta":1e4},
+                "full_attention":{"rope_type":"yarn","rope_theta":1e6}}}),
+                "rope_type",
+            ),
             (json!({"model_type":"gemma4_text","per_layer_config":{"5":{"intermediate_size":7}}}), "intermediate_size"),
             (json!({"model_type":"gemma4_assistant"}), "--assistant"),
         ];
@@ -802,7 +829,9 @@ pub fn parse_assistant_config(json: &Value) -> Result<AssistantConfig> {
         "gemma4" | "gemma4_unified" | "gemma4_text" | "gemma4_unified_text" => {
             bail!("field `model_type` is {model_type:?}: this is a target model, not an assistant drafter")
         }
-        other => bail!("field `model_type` is {other:?}; expected \"gemma4_assistant\" or \"gemma4_unified_assistant\""),
+        other => {
+            bail!("field `model_type` is {other:?}; expected \"gemma4_assistant\" or \"gemma4_unified_assistant\"")
+        }
     };
     let text = obj
         .get("text_config")
@@ -837,7 +866,10 @@ pub fn parse_assistant_config(json: &Value) -> Result<AssistantConfig> {
     let f = Fields { obj, ctx: "" };
     let backbone_hidden_size = f.positive("backbone_hidden_size", hb_default)?;
     // pre_projection is [hidden, 2 x backbone]; post_projection [backbone, hidden].
-    tensor_elements(&[("backbone_hidden_size", backbone_hidden_size), ("2", 2), ("text_config.hidden_size", text_cfg.hidden_size)], "")?;
+    tensor_elements(
+        &[("backbone_hidden_size", backbone_hidden_size), ("2", 2), ("text_config.hidden_size", text_cfg.hidden_size)],
+        "",
+    )?;
     if !f.boolean("tie_word_embeddings", true)? {
         bail!("field `tie_word_embeddings` is false; every Gemma 4 drafter ties its head to model.embed_tokens");
     }
@@ -854,12 +886,7 @@ pub fn parse_assistant_config(json: &Value) -> Result<AssistantConfig> {
     } else {
         DraftHead::Tied
     };
-    Ok(AssistantConfig {
-        text: text_cfg,
-        backbone_hidden_size,
-        head,
-        num_assistant_tokens: None,
-    })
+    Ok(AssistantConfig { text: text_cfg, backbone_hidden_size, head, num_assistant_tokens: None })
 }
 
 /// Check that a drafter can run on a target (docs/drafter.md, "Pairing"): it reads the target's store-layer

@@ -61,7 +61,9 @@ pub fn read_text(path: &Path) -> Result<String> {
     if bytes.len() as u64 > MAX_TEXT_FILE {
         bail!("{} is larger than {MAX_TEXT_FILE} bytes; refused", path.display());
     }
-    String::from_utf8(bytes).map_err(|e| anyhow!("{}: not UTF-8 text (invalid byte at offset {})", path.display(), e.utf8_error().valid_up_to()))
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow!("{}: not UTF-8 text (invalid byte at offset {})", path.display(), e.utf8_error().valid_up_to())
+    })
 }
 
 /// Check that `dir` is a directory, with an error that says what it is instead.

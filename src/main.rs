@@ -321,7 +321,14 @@ impl RunArgs {
     }
 }
 
-fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logprobs: Option<usize>, trace: bool, chat: bool) -> Result<Session> {
+fn open_session(
+    run: &RunArgs,
+    default_max_new: usize,
+    need: TextNeed,
+    top_logprobs: Option<usize>,
+    trace: bool,
+    chat: bool,
+) -> Result<Session> {
     let model_dir = run.model_dir()?;
     let assistant_dir = run.assistant_dir();
     let sampling = SamplingParams {
@@ -333,13 +340,18 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
         seed: run.seed.0.unwrap_or_else(params::random_seed),
     };
     sampling.validate()?;
-    let need = if run.stop.is_empty() || matches!(need, TextNeed::Required(_)) { need } else { TextNeed::Required("--stop needs") };
+    let need = if run.stop.is_empty() || matches!(need, TextNeed::Required(_)) {
+        need
+    } else {
+        TextNeed::Required("--stop needs")
+    };
     if let TextNeed::Required(what) = need {
         if !has_tokenizer(&model_dir) {
             if !model_dir.join("config.json").is_file() {
                 TargetModel::load(&model_dir)?; // not a model directory at all: say that
             }
-            let hint = if what.starts_with("text prompts") || what.starts_with("--chat") { "; use --prompt-ids" } else { "" };
+            let hint =
+                if what.starts_with("text prompts") || what.starts_with("--chat") { "; use --prompt-ids" } else { "" };
             bail!("{what} a tokenizer: {} has no {TOKENIZER_FILE}{hint}", model_dir.display());
         }
     }
@@ -400,7 +412,8 @@ fn open_session(run: &RunArgs, default_max_new: usize, need: TextNeed, top_logpr
     let draft = models.draft_policy(setting);
     let drafting = draft.is_some() && !run.no_draft;
     // Test hook: slow every step down so that a test can interrupt a reply.
-    let step_delay = std::env::var("TANDEM_TEST_TOKEN_DELAY_MS").ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_millis);
+    let step_delay =
+        std::env::var("TANDEM_TEST_TOKEN_DELAY_MS").ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_millis);
     let engine = Engine::start(models, Limits { step_delay, ..Limits::default() });
     Ok(Session { engine, opts, draft, drafting, stop: run.stop.clone(), show_thinking: run.show_thinking })
 }
@@ -445,17 +458,29 @@ impl Session {
             "off" => self.drafting = false,
             "on" => self.drafting = true,
             k => {
-                let len = DraftLength::parse(k).map_err(|_| anyhow!("/draft takes off, on, auto or a number of draft tokens from 1 to {MAX_DRAFT}"))?;
+                let len = DraftLength::parse(k).map_err(|_| {
+                    anyhow!("/draft takes off, on, auto or a number of draft tokens from 1 to {MAX_DRAFT}")
+                })?;
                 *policy = DraftPolicy::from(len);
                 self.drafting = true;
             }
         }
-        Ok(if self.drafting { format!("drafting on, draft tokens {}", policy.describe()) } else { "drafting off".into() })
+        Ok(if self.drafting {
+            format!("drafting on, draft tokens {}", policy.describe())
+        } else {
+            "drafting off".into()
+        })
     }
 
     /// Run one request on the engine. `on_tokens` sees each committed run of ids with the text they add,
     /// and returns false to stop (the request is cancelled); `interrupted`, when set, cancels it too.
-    fn generate(&mut self, prompt: Prompt, trace: bool, interrupted: Option<&AtomicBool>, mut on_tokens: impl FnMut(&[u32], &str) -> bool) -> Result<Outcome> {
+    fn generate(
+        &mut self,
+        prompt: Prompt,
+        trace: bool,
+        interrupted: Option<&AtomicBool>,
+        mut on_tokens: impl FnMut(&[u32], &str) -> bool,
+    ) -> Result<Outcome> {
         let req = Request {
             prompt,
             opts: self.opts.clone(),
@@ -654,7 +679,8 @@ fn summary(g: &Generation, spec: Option<&SpecStats>) -> String {
 // chat
 // ---------------------------------------------------------------------------------------------
 
-const CHAT_HELP: &str = "/reset starts over, /draft off|on|auto|K switches drafting, /exit (or Ctrl-D) quits, Ctrl-C stops a reply";
+const CHAT_HELP: &str =
+    "/reset starts over, /draft off|on|auto|K switches drafting, /exit (or Ctrl-D) quits, Ctrl-C stops a reply";
 
 /// Lines from stdin, read on their own thread so that Ctrl-C at the prompt is noticed. `None` is end of
 /// input.
@@ -668,7 +694,10 @@ fn stdin_lines() -> mpsc::Receiver<Option<Result<String, String>>> {
                 Ok(0) => None,
                 // A line that is not UTF-8 is refused on its own; the lines after it still count.
                 Ok(_) => Some(String::from_utf8(bytes).map_err(|e| {
-                    format!("that line is not UTF-8 text (invalid byte at offset {}); it was not sent", e.utf8_error().valid_up_to())
+                    format!(
+                        "that line is not UTF-8 text (invalid byte at offset {}); it was not sent",
+                        e.utf8_error().valid_up_to()
+                    )
                 })),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -709,13 +738,21 @@ fn parse_chat_input(input: &str) -> ChatInput<'_> {
     }
     let Some(cmd) = trimmed.strip_prefix('/') else { return ChatInput::Message(input) };
     let (name, arg) = cmd.split_once(char::is_whitespace).map_or((cmd, ""), |(n, a)| (n, a.trim()));
-    let no_arg = |c: ChatInput<'static>| if arg.is_empty() { c } else { ChatInput::Bad(format!("/{name} takes no argument ({CHAT_HELP})")) };
+    let no_arg = |c: ChatInput<'static>| {
+        if arg.is_empty() {
+            c
+        } else {
+            ChatInput::Bad(format!("/{name} takes no argument ({CHAT_HELP})"))
+        }
+    };
     match name {
         "exit" | "quit" => no_arg(ChatInput::Exit),
         "reset" => no_arg(ChatInput::Reset),
         "help" => no_arg(ChatInput::Help),
         "draft" => ChatInput::Draft(arg),
-        _ => ChatInput::Bad(format!("unknown command /{name} (start a message with // to send a leading /; {CHAT_HELP})")),
+        _ => ChatInput::Bad(format!(
+            "unknown command /{name} (start a message with // to send a leading /; {CHAT_HELP})"
+        )),
     }
 }
 
@@ -726,7 +763,8 @@ fn run_chat(args: ChatArgs) -> Result<()> {
     let interrupted = Arc::new(AtomicBool::new(false));
     {
         let flag = interrupted.clone();
-        ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)).map_err(|e| anyhow!("cannot handle Ctrl-C: {e}"))?;
+        ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+            .map_err(|e| anyhow!("cannot handle Ctrl-C: {e}"))?;
     }
     let system = args.system.as_ref().map(|sys| json!({"role": "system", "content": sys}));
     let mut history: Vec<serde_json::Value> = system.iter().cloned().collect();
@@ -810,13 +848,14 @@ fn run_chat(args: ChatArgs) -> Result<()> {
         };
         // A Ctrl-C from here on stops this reply (one at the prompt was taken above).
         let mut out_err: Option<anyhow::Error> = None;
-        let result = s.generate(Prompt::Ids(prompt), false, Some(&interrupted), |_, text| match print_text(text, tty) {
-            Ok(()) => true,
-            Err(e) => {
-                out_err.get_or_insert(e);
-                false
-            }
-        });
+        let result =
+            s.generate(Prompt::Ids(prompt), false, Some(&interrupted), |_, text| match print_text(text, tty) {
+                Ok(()) => true,
+                Err(e) => {
+                    out_err.get_or_insert(e);
+                    false
+                }
+            });
         if let Some(e) = out_err {
             return Err(e);
         }
@@ -952,7 +991,8 @@ fn run_concurrency_bench(args: &BenchArgs, levels: &str) -> Result<()> {
             say!("building a random {preset:?} model with {} layers and its drafter in memory...", args.layers);
             let target = bench::random_model(&cfg, 7)?;
             let assistant = bench::random_assistant(&preset.assistant_config(&cfg)?, 11)?;
-            let name = format!("random {preset:?} dims, {} layers, with a random drafter (nothing accepted)", args.layers);
+            let name =
+                format!("random {preset:?} dims, {} layers, with a random drafter (nothing accepted)", args.layers);
             (Models { target, assistant: Some(assistant), tokenizer: None, template: None }, name)
         }
     };

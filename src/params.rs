@@ -10,7 +10,10 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
         .split(',')
         .map(str::trim)
         .filter(|t| !t.is_empty())
-        .map(|t| t.parse::<u32>().map_err(|_| anyhow!("--prompt-ids: {t:?} is not a token id (a non-negative integer below 2^32)")))
+        .map(|t| {
+            t.parse::<u32>()
+                .map_err(|_| anyhow!("--prompt-ids: {t:?} is not a token id (a non-negative integer below 2^32)"))
+        })
         .collect::<Result<Vec<_>>>()?;
     if ids.is_empty() {
         bail!("--prompt-ids: no token ids given");
@@ -27,7 +30,9 @@ pub fn parse_seed(s: &str) -> Result<Option<u64>> {
     if t.starts_with('-') {
         bail!("seed {t:?}: must be a non-negative integer, or -1 for a random seed");
     }
-    t.parse::<u64>().map(Some).map_err(|_| anyhow!("seed {t:?}: must be a non-negative integer below 2^64, or -1 for a random seed"))
+    t.parse::<u64>()
+        .map(Some)
+        .map_err(|_| anyhow!("seed {t:?}: must be a non-negative integer below 2^64, or -1 for a random seed"))
 }
 
 /// top-k: a number of tokens to keep; 0 or -1 turn it off (returned as 0).

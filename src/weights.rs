@@ -79,13 +79,27 @@ impl Tensor {
     pub fn owned(name: &str, dtype: DType, shape: Vec<usize>, data: Vec<u8>) -> Tensor {
         assert_eq!(data.len(), shape.iter().product::<usize>() * dtype.size());
         let len = data.len();
-        Tensor { name: name.to_string(), dtype: StoredDtype::Float(dtype), shape, buf: Arc::new(Buffer::Owned(data)), offset: 0, len }
+        Tensor {
+            name: name.to_string(),
+            dtype: StoredDtype::Float(dtype),
+            shape,
+            buf: Arc::new(Buffer::Owned(data)),
+            offset: 0,
+            len,
+        }
     }
 
     pub fn owned_i64(name: &str, values: &[i64]) -> Tensor {
         let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let len = data.len();
-        Tensor { name: name.to_string(), dtype: StoredDtype::I64, shape: vec![values.len()], buf: Arc::new(Buffer::Owned(data)), offset: 0, len }
+        Tensor {
+            name: name.to_string(),
+            dtype: StoredDtype::I64,
+            shape: vec![values.len()],
+            buf: Arc::new(Buffer::Owned(data)),
+            offset: 0,
+            len,
+        }
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -158,7 +172,10 @@ impl WeightStore {
                     .as_str()
                     .ok_or_else(|| anyhow!("{}: `weight_map.{name}` must be a file name", index.display()))?;
                 if file.contains('/') || file.contains('\\') || file.starts_with('.') {
-                    bail!("{}: `weight_map.{name}` names {file:?}, which is not a file in the model directory", index.display());
+                    bail!(
+                        "{}: `weight_map.{name}` names {file:?}, which is not a file in the model directory",
+                        index.display()
+                    );
                 }
                 files.insert(file.to_string());
             }
@@ -167,7 +184,11 @@ impl WeightStore {
             }
             for (name, file) in map {
                 if !tensors.contains_key(name) {
-                    bail!("{}: tensor `{name}` is listed in {} but missing from it", index.display(), file.as_str().unwrap_or("?"));
+                    bail!(
+                        "{}: tensor `{name}` is listed in {} but missing from it",
+                        index.display(),
+                        file.as_str().unwrap_or("?")
+                    );
                 }
             }
         } else if crate::files::exists(&single) {
@@ -178,7 +199,13 @@ impl WeightStore {
         let prefix = TEXT_PREFIXES
             .iter()
             .find(|p| tensors.contains_key(&format!("{p}embed_tokens.weight")))
-            .ok_or_else(|| anyhow!("{}: no `embed_tokens.weight` under any known prefix ({})", dir.display(), TEXT_PREFIXES[..4].join(", ")))?
+            .ok_or_else(|| {
+                anyhow!(
+                    "{}: no `embed_tokens.weight` under any known prefix ({})",
+                    dir.display(),
+                    TEXT_PREFIXES[..4].join(", ")
+                )
+            })?
             .to_string();
         Ok(WeightStore { tensors, prefix, source: dir.to_path_buf() })
     }
@@ -224,10 +251,7 @@ impl WeightStore {
 
     /// Like `require`, by full name (drafter tensors have one fixed naming scheme).
     pub fn require_full(&self, full: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = self
-            .tensors
-            .get(full)
-            .ok_or_else(|| anyhow!("{}: missing tensor `{full}`", self.source.display()))?;
+        let t = self.tensors.get(full).ok_or_else(|| anyhow!("{}: missing tensor `{full}`", self.source.display()))?;
         check_shape(t, shape, &self.source)?;
         t.float_dtype().map_err(|e| anyhow!("{}: {e}", self.source.display()))?;
         Ok(t.clone())
@@ -248,8 +272,8 @@ fn load_file(path: &Path, out: &mut HashMap<String, Tensor>) -> Result<()> {
     // SAFETY: the file is mapped read-only; tandem never writes it, and a model directory being
     // rewritten while it runs is outside what any loader can defend against.
     let mmap = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
-    let (header_len, meta) =
-        SafeTensors::read_metadata(&mmap[..]).map_err(|e| anyhow!("{}: {}", path.display(), describe_header_error(&mmap, e)))?;
+    let (header_len, meta) = SafeTensors::read_metadata(&mmap[..])
+        .map_err(|e| anyhow!("{}: {}", path.display(), describe_header_error(&mmap, e)))?;
     let data_start = 8 + header_len;
     let file_len = mmap.len();
     let buf = Arc::new(Buffer::Mapped(mmap));
@@ -265,7 +289,12 @@ fn load_file(path: &Path, out: &mut HashMap<String, Tensor>) -> Result<()> {
         let n = info.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
         if let Some(size) = dtype.size() {
             if n.and_then(|n| n.checked_mul(size)) != Some(end - start) {
-                bail!("{}: tensor `{name}` holds {} bytes, which does not match its shape {:?}", path.display(), end - start, info.shape);
+                bail!(
+                    "{}: tensor `{name}` holds {} bytes, which does not match its shape {:?}",
+                    path.display(),
+                    end - start,
+                    info.shape
+                );
             }
         }
         if out.contains_key(&name) {
@@ -273,7 +302,14 @@ fn load_file(path: &Path, out: &mut HashMap<String, Tensor>) -> Result<()> {
         }
         out.insert(
             name.clone(),
-            Tensor { name, dtype, shape: info.shape.clone(), buf: buf.clone(), offset: data_start + start, len: end - start },
+            Tensor {
+                name,
+                dtype,
+                shape: info.shape.clone(),
+                buf: buf.clone(),
+                offset: data_start + start,
+                len: end - start,
+            },
         );
     }
     Ok(())

@@ -65,8 +65,12 @@ fn a_drafting_round_after_our_own_prefill_matches_transformers() {
         let (_, want_logits) = g.tensor("chain_logits_len20");
         let (_, want_hidden) = g.tensor("chain_hidden_len20");
         let v = a.cfg.text.vocab_size;
-        let want_tokens: Vec<u32> =
-            g.json["cases"]["20"]["chain_tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        let want_tokens: Vec<u32> = g.json["cases"]["20"]["chain_tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
         let mut emb = vec![0f32; target.cfg.hidden_size];
         for j in 0..4 {
             target.embed_token(token, &mut emb);

@@ -270,4 +270,3 @@ fn a_batched_draft_step_equals_each_row_alone_bit_for_bit() {
         assert!(a.step_batch(&[]).is_empty());
     }
 }
-

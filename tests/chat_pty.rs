@@ -24,7 +24,8 @@ impl Pty {
     fn spawn(args: &[&str], env: &[(&str, &str)]) -> Option<Pty> {
         let (mut master, mut slave) = (0, 0);
         // SAFETY: both out-pointers are valid c_ints; name, termios and winsize may be null.
-        let rc = unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), std::ptr::null()) };
+        let rc =
+            unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), std::ptr::null()) };
         if rc != 0 {
             eprintln!("skipped: openpty failed: {}", std::io::Error::last_os_error());
             return None;
@@ -87,7 +88,11 @@ impl Pty {
             let now = Instant::now();
             assert!(now < deadline, "timed out waiting for {needle:?}; output so far: {:?}", self.rest());
             if !self.read_some((deadline - now).min(Duration::from_millis(100))) {
-                assert!(find_bytes(&self.seen, needle.as_bytes(), self.pos).is_some(), "output ended before {needle:?}: {:?}", self.rest());
+                assert!(
+                    find_bytes(&self.seen, needle.as_bytes(), self.pos).is_some(),
+                    "output ended before {needle:?}: {:?}",
+                    self.rest()
+                );
             }
         }
     }
@@ -139,7 +144,9 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn chat_session_in_a_terminal() {
     let model = fixture_dir("text-tiny").display().to_string();
-    let Some(mut pty) = Pty::spawn(&["chat", "--model", &model, "--max-new-tokens", "10", "--system", "Be brief."], &[]) else {
+    let Some(mut pty) =
+        Pty::spawn(&["chat", "--model", &model, "--max-new-tokens", "10", "--system", "Be brief."], &[])
+    else {
         return;
     };
     pty.expect("Ctrl-C stops a reply", T);

@@ -10,11 +10,16 @@ use serde_json::Value;
 
 fn tandem(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_tandem")).args(args).output().expect("run tandem");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 fn gen_args<'a>(dir: &'a Path, extra: &[&'a str]) -> Vec<String> {
-    let mut v: Vec<String> = vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "2,17,33".into()];
+    let mut v: Vec<String> =
+        vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "2,17,33".into()];
     v.extend(extra.iter().map(|s| s.to_string()));
     v
 }
@@ -69,7 +74,21 @@ fn json_output_follows_the_contract() {
 fn sampling_is_reproducible_with_a_seed() {
     let dir = fixture_dir("t2-moe");
     let run = |seed: &str| {
-        let args = gen_args(&dir, &["--max-new-tokens", "12", "--ignore-eos", "--json", "--temperature", "1.0", "--top-p", "0.95", "--seed", seed]);
+        let args = gen_args(
+            &dir,
+            &[
+                "--max-new-tokens",
+                "12",
+                "--ignore-eos",
+                "--json",
+                "--temperature",
+                "1.0",
+                "--top-p",
+                "0.95",
+                "--seed",
+                seed,
+            ],
+        );
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let (code, out, err) = tandem(&refs);
         assert_eq!(code, 0, "{err}");
@@ -89,7 +108,8 @@ fn eos_stops_generation_unless_ignored() {
     let eos = want[at];
     std::fs::write(dir.join("generation_config.json"), format!("{{\"eos_token_id\": [{eos}, 255]}}")).unwrap();
     let prompt = g.ids("greedy_prompt").iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
-    let base = ["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &prompt, "--max-new-tokens", "10", "--json"];
+    let base =
+        ["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &prompt, "--max-new-tokens", "10", "--json"];
     let (code, out, _) = tandem(&base);
     assert_eq!(code, 0);
     let v: Value = serde_json::from_str(out.trim()).unwrap();
@@ -127,9 +147,18 @@ fn bad_arguments_fail_cleanly() {
         (gen_args(&dir, &["--repeat-penalty", "0"]), "repeat_penalty"),
         (gen_args(&dir, &["--context", "3"]), "context limit"),
         (gen_args(&dir, &["--context", "100000"]), "max_position_embeddings"),
-        (vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "2,999".into()], "999"),
-        (vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "2,x".into()], "\"x\""),
-        (vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "".into()], "no token ids"),
+        (
+            vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "2,999".into()],
+            "999",
+        ),
+        (
+            vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "2,x".into()],
+            "\"x\"",
+        ),
+        (
+            vec!["generate".into(), "--model".into(), dir.display().to_string(), "--prompt-ids".into(), "".into()],
+            "no token ids",
+        ),
     ];
     for (args, needle) in cases {
         expect_error(&args, needle);
@@ -219,7 +248,8 @@ fn speculative_json_has_acceptance_statistics_and_trace() {
     let plain: Value = serde_json::from_str(tandem(&refs).1.trim()).unwrap();
     let a = assistant.display().to_string();
     for extra in [vec!["--draft-tokens", "3"], vec!["--draft-tokens", "auto"], vec![]] {
-        let mut args = gen_args(&dir, &["--max-new-tokens", "20", "--ignore-eos", "--json", "--trace", "--assistant", &a]);
+        let mut args =
+            gen_args(&dir, &["--max-new-tokens", "20", "--ignore-eos", "--json", "--trace", "--assistant", &a]);
         args.extend(extra.iter().map(|s| s.to_string()));
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let (code, out, err) = tandem(&refs);
@@ -281,18 +311,26 @@ fn pair_bench_reports_acceptance_and_identical_output() {
     let dir = std::env::temp_dir().join(format!("tandem-prompts-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let prompts = dir.join("prompts.json");
-    std::fs::write(&prompts, r#"[{"text": "a", "ids": [2, 17, 33]}, [2, 40, 41, 42, 43, 44, 45, 46, 47, 48]]"#).unwrap();
+    std::fs::write(&prompts, r#"[{"text": "a", "ids": [2, 17, 33]}, [2, 40, 41, 42, 43, 44, 45, 46, 47, 48]]"#)
+        .unwrap();
     let t1 = fixture_dir("t1-f32").display().to_string();
     let d1 = fixture_dir("d1-centroid").display().to_string();
     let p = prompts.display().to_string();
-    let args = ["bench", "--pair", "--model", &t1, "--assistant", &d1, "--prompts", &p, "--max-new-tokens", "12", "--json"];
+    let args =
+        ["bench", "--pair", "--model", &t1, "--assistant", &d1, "--prompts", &p, "--max-new-tokens", "12", "--json"];
     let (code, out, err) = tandem(&args);
     assert_eq!(code, 0, "{err}");
     let v: Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["prompts"], 2);
     assert_eq!(v["generated_tokens"], 24);
     assert_eq!(v["identical_output"], true);
-    for key in ["plain_decode_tokens_per_s", "speculative_decode_tokens_per_s", "speedup", "mean_accepted_per_round", "acceptance_rate"] {
+    for key in [
+        "plain_decode_tokens_per_s",
+        "speculative_decode_tokens_per_s",
+        "speedup",
+        "mean_accepted_per_round",
+        "acceptance_rate",
+    ] {
         assert!(v[key].is_number(), "{key}");
     }
     assert_eq!(v["acceptance_by_position"].as_array().unwrap().len(), 4);

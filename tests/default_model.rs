@@ -8,9 +8,9 @@ use std::process::Command;
 
 use serde_json::Value;
 use tandem::config::validate_pair;
+use tandem::decode::draft_policy::DraftLength;
 use tandem::decode::generate::{generate, GenerateOptions};
 use tandem::decode::sampling::SamplingParams;
-use tandem::decode::draft_policy::DraftLength;
 use tandem::decode::speculative::generate_speculative;
 use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
@@ -20,7 +20,8 @@ fn dir() -> PathBuf {
 }
 
 fn heldout() -> Vec<Vec<u32>> {
-    let json: Value = serde_json::from_str(&std::fs::read_to_string(dir().join("heldout_prompts.json")).unwrap()).unwrap();
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir().join("heldout_prompts.json")).unwrap()).unwrap();
     json.as_array()
         .unwrap()
         .iter()
@@ -44,7 +45,8 @@ fn drafting_on_the_shipped_pair_is_lossless_and_accepted() {
     for prompt in heldout().iter().take(8) {
         let plain = generate(&target, prompt, &opts, |_| {}).unwrap().tokens;
         for dl in [DraftLength::Fixed(4), DraftLength::Fixed(2), DraftLength::Auto] {
-            let (g, s) = generate_speculative(&target, &assistant, prompt, &opts, &mut dl.into(), false, |_| {}).unwrap();
+            let (g, s) =
+                generate_speculative(&target, &assistant, prompt, &opts, &mut dl.into(), false, |_| {}).unwrap();
             assert_eq!(g.tokens, plain, "{dl:?}");
             if dl == DraftLength::Fixed(4) {
                 rounds += s.draft_rounds;

@@ -22,7 +22,8 @@ fn shipped() -> PathBuf {
 }
 
 fn heldout() -> Vec<Vec<u32>> {
-    let json: Value = serde_json::from_str(&std::fs::read_to_string(shipped().join("heldout_prompts.json")).unwrap()).unwrap();
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(shipped().join("heldout_prompts.json")).unwrap()).unwrap();
     json.as_array()
         .unwrap()
         .iter()
@@ -69,7 +70,9 @@ fn prompt(vocab: usize, n: usize, salt: u64) -> Vec<u32> {
 /// The same request run alone through the single-sequence path.
 fn solo(m: &Models, ids: &[u32], o: &GenerateOptions, draft: Option<DraftLength>) -> Vec<u32> {
     match (draft, &m.assistant) {
-        (Some(d), Some(a)) => generate_speculative(&m.target, a, ids, o, &mut d.into(), false, |_| {}).unwrap().0.tokens,
+        (Some(d), Some(a)) => {
+            generate_speculative(&m.target, a, ids, o, &mut d.into(), false, |_| {}).unwrap().0.tokens
+        }
         _ => generate(&m.target, ids, o, |_| {}).unwrap().tokens,
     }
 }
@@ -126,10 +129,17 @@ fn check(m: &Models, cases: &[Case]) {
         assert_eq!(o.generation.tokens, c.streamed, "case {i}: streamed tokens differ from the outcome");
         let alone = solo(m, &c.ids, &c.opts, c.draft);
         if c.cancel.is_some() && o.cancelled {
-            assert!(alone.starts_with(&o.generation.tokens), "case {i}: a cancelled request's tokens are a prefix of its solo run");
+            assert!(
+                alone.starts_with(&o.generation.tokens),
+                "case {i}: a cancelled request's tokens are a prefix of its solo run"
+            );
             assert!(o.generation.tokens.len() < alone.len(), "case {i} was cancelled after it ended");
         } else {
-            assert_eq!(o.generation.tokens, alone, "case {i} ({:?}, draft {:?}) differs from its solo run", c.opts.sampling, c.draft);
+            assert_eq!(
+                o.generation.tokens, alone,
+                "case {i} ({:?}, draft {:?}) differs from its solo run",
+                c.opts.sampling, c.draft
+            );
         }
     }
 }
@@ -161,7 +171,13 @@ fn submit_all(s: &mut Scheduler<'_>, cases: &mut [Case]) {
 fn sixteen_requests_on_the_shipped_pair_equal_their_solo_runs() {
     let m = models(shipped().join("target"), Some(shipped().join("assistant")));
     let prompts = heldout();
-    let drafts = [None, Some(DraftLength::Fixed(1)), Some(DraftLength::Fixed(3)), Some(DraftLength::Fixed(5)), Some(DraftLength::Auto)];
+    let drafts = [
+        None,
+        Some(DraftLength::Fixed(1)),
+        Some(DraftLength::Fixed(3)),
+        Some(DraftLength::Fixed(5)),
+        Some(DraftLength::Auto),
+    ];
     let mut cases = Vec::new();
     for i in 0..18 {
         let ids: Vec<u32> = prompts[i % prompts.len()].iter().copied().take(4 + (i * 7) % 40).collect();
@@ -181,20 +197,32 @@ fn sixteen_requests_on_the_shipped_pair_equal_their_solo_runs() {
     assert!(most > 8, "requests shared forwards (at most {most} rows per step)");
     check(&m, &cases);
     assert!(cases.iter().any(|c| c.outcome.as_ref().unwrap().cancelled), "some requests were cancelled mid-stream");
-    let accepted: usize = cases.iter().filter_map(|c| c.outcome.as_ref().unwrap().spec.as_ref()).map(|s| s.accepted_tokens).sum();
+    let accepted: usize =
+        cases.iter().filter_map(|c| c.outcome.as_ref().unwrap().spec.as_ref()).map(|s| s.accepted_tokens).sum();
     assert!(accepted > 50, "the trained drafter was accepted under load ({accepted} drafts)");
 }
 
 #[test]
 fn fixtures_with_moe_and_both_drafter_heads_equal_their_solo_runs() {
-    for (target, assistant) in [("t1-f32", Some("d1-centroid")), ("t1-f32", Some("d2-tied")), ("t2-moe", None), ("t5-e2b", None), ("t1-bf16", None)] {
+    for (target, assistant) in [
+        ("t1-f32", Some("d1-centroid")),
+        ("t1-f32", Some("d2-tied")),
+        ("t2-moe", None),
+        ("t5-e2b", None),
+        ("t1-bf16", None),
+    ] {
         let m = models(fixture_dir(target), assistant.map(fixture_dir));
         let vocab = m.target.cfg.vocab_size;
         let mut cases = Vec::new();
         for i in 0..8 {
-            let draft = if m.assistant.is_some() { [None, Some(DraftLength::Fixed(2)), Some(DraftLength::Fixed(4)), Some(DraftLength::Auto)][i % 4] } else { None };
+            let draft = if m.assistant.is_some() {
+                [None, Some(DraftLength::Fixed(2)), Some(DraftLength::Fixed(4)), Some(DraftLength::Auto)][i % 4]
+            } else {
+                None
+            };
             let sampling = if i % 2 == 0 { SamplingParams::default() } else { sampled(100 + i as u64) };
-            let draft = if i % 2 == 1 && draft == Some(DraftLength::Auto) { Some(DraftLength::Fixed(3)) } else { draft };
+            let draft =
+                if i % 2 == 1 && draft == Some(DraftLength::Auto) { Some(DraftLength::Fixed(3)) } else { draft };
             // Prompts on both sides of the sliding window (8 tokens in the fixtures).
             cases.push(case(prompt(vocab, 3 + i * 5, i as u64 + 7), opts(&m, 12 + i, sampling), draft, i % 3, None));
         }
@@ -209,7 +237,9 @@ fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
     let m = models(fixture_dir("t1-f32"), None);
     let vocab = m.target.cfg.vocab_size;
     // At most two at once: the third waits, then runs, and all equal their solo runs.
-    let mut cases: Vec<Case> = (0..3).map(|i| case(prompt(vocab, 5 + i, i as u64), opts(&m, 10, SamplingParams::default()), None, 0, None)).collect();
+    let mut cases: Vec<Case> = (0..3)
+        .map(|i| case(prompt(vocab, 5 + i, i as u64), opts(&m, 10, SamplingParams::default()), None, 0, None))
+        .collect();
     let mut s = Scheduler::new(&m, Limits { max_active: 2, ..Limits::default() });
     submit_all(&mut s, &mut cases);
     s.step();
@@ -226,7 +256,8 @@ fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
     };
     assert!(one > 0);
     let mut s = Scheduler::new(&m, Limits { kv_bytes: one + one / 2, pool: 0, ..Limits::default() });
-    let mut cases: Vec<Case> = (0..3).map(|i| case(prompt(vocab, 8, 1 + i), opts(&m, 10, SamplingParams::default()), None, 0, None)).collect();
+    let mut cases: Vec<Case> =
+        (0..3).map(|i| case(prompt(vocab, 8, 1 + i), opts(&m, 10, SamplingParams::default()), None, 0, None)).collect();
     submit_all(&mut s, &mut cases);
     s.step();
     assert_eq!(s.load(), (2, 1), "only one reservation fits the budget");
@@ -235,7 +266,11 @@ fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
 
     // A request larger than the whole budget is refused at submission.
     let mut s = Scheduler::new(&m, Limits { kv_bytes: one / 4, ..Limits::default() });
-    let e = s.submit(request(&prompt(vocab, 8, 1), &opts(&m, 10, SamplingParams::default()), None)).err().expect("refused").to_string();
+    let e = s
+        .submit(request(&prompt(vocab, 8, 1), &opts(&m, 10, SamplingParams::default()), None))
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(e.contains("bytes of K/V") && e.contains("budget"), "{e}");
 }
 
@@ -254,7 +289,12 @@ fn a_finished_sequence_lends_its_prefix_to_the_next_request() {
     let mut second = vec![case(next_ids, o, Some(DraftLength::Fixed(3)), 0, None)];
     drive(&mut s, &mut second);
     let g = &second[0].outcome.as_ref().unwrap().generation;
-    assert!(g.stats.cached_prompt_tokens >= p.len(), "reused {} of {} prompt tokens", g.stats.cached_prompt_tokens, p.len());
+    assert!(
+        g.stats.cached_prompt_tokens >= p.len(),
+        "reused {} of {} prompt tokens",
+        g.stats.cached_prompt_tokens,
+        p.len()
+    );
     check(&m, &second);
 }
 

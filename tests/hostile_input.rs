@@ -49,10 +49,7 @@ fn run_with(args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Run {
     }
     let _ = writer.join();
     let out = child.wait_with_output().unwrap();
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        err: String::from_utf8_lossy(&out.stderr).into(),
-    }
+    Run { code: out.status.code().unwrap_or(-1), err: String::from_utf8_lossy(&out.stderr).into() }
 }
 
 fn run(args: &[&str]) -> Run {
@@ -142,11 +139,19 @@ fn oversized_or_overflowing_config_dims_are_refused_before_allocating() {
             })
         }
     };
-    broken("t1-f32", "num_hidden_layers` is 18446744073709551615; tandem runs models of at most 4096 layers", no_types(u64::MAX));
+    broken(
+        "t1-f32",
+        "num_hidden_layers` is 18446744073709551615; tandem runs models of at most 4096 layers",
+        no_types(u64::MAX),
+    );
     broken("t1-f32", "num_hidden_layers` is 1099511627776", no_types(1 << 40));
     broken("t1-f32", "num_hidden_layers` is 1000000000", no_types(1_000_000_000));
     // 2 x (2^63 + 8) wrapped to 16 and was reported as a shape mismatch against the wrapped shape.
-    broken("t1-f32", "moe_intermediate_size = 9223372036854775816", set("moe_intermediate_size", json!(9223372036854775816u64)));
+    broken(
+        "t1-f32",
+        "moe_intermediate_size = 9223372036854775816",
+        set("moe_intermediate_size", json!(9223372036854775816u64)),
+    );
     broken("t1-f32", "hidden_size = 1099511627776", set("hidden_size", json!(1u64 << 40)));
     broken("t1-f32", "vocab_size_per_layer_input", set("vocab_size_per_layer_input", json!(1u64 << 50)));
     // More layers than the weights hold: said before any layer is built.
@@ -162,7 +167,9 @@ fn oversized_or_overflowing_config_dims_are_refused_before_allocating() {
 #[test]
 fn config_floats_that_break_f32_are_refused() {
     for cap in [json!(1e308), json!(1e-46), json!(0.0)] {
-        broken("t1-f32", "final_logit_softcapping", |d| edit_json(&d.join("config.json"), |c| c["final_logit_softcapping"] = cap));
+        broken("t1-f32", "final_logit_softcapping", |d| {
+            edit_json(&d.join("config.json"), |c| c["final_logit_softcapping"] = cap)
+        });
     }
     broken("t1-f32", "rms_norm_eps", |d| edit_json(&d.join("config.json"), |c| c["rms_norm_eps"] = json!(1e-50)));
     broken("t1-f32", "rope_theta", |d| {
@@ -236,7 +243,9 @@ fn malformed_safetensors_get_specific_errors() {
 #[test]
 fn fifos_devices_and_directories_are_refused_without_blocking() {
     broken("t1-f32", "config.json is a named pipe (FIFO), not a regular file", |d| mkfifo(&d.join("config.json")));
-    broken("t1-f32", "model.safetensors is a named pipe (FIFO), not a regular file", |d| mkfifo(&d.join("model.safetensors")));
+    broken("t1-f32", "model.safetensors is a named pipe (FIFO), not a regular file", |d| {
+        mkfifo(&d.join("model.safetensors"))
+    });
     broken("t1-f32", "model.safetensors is a device, not a regular file", |d| {
         std::fs::remove_file(d.join("model.safetensors")).unwrap();
         std::os::unix::fs::symlink("/dev/zero", d.join("model.safetensors")).unwrap();
@@ -245,9 +254,16 @@ fn fifos_devices_and_directories_are_refused_without_blocking() {
         std::fs::remove_file(d.join("config.json")).unwrap();
         std::os::unix::fs::symlink("/dev/zero", d.join("config.json")).unwrap();
     });
-    broken("t1-f32", "generation_config.json is a directory", |d| std::fs::create_dir(d.join("generation_config.json")).unwrap());
-    broken("t2-moe", "model.safetensors.index.json is a named pipe", |d| mkfifo(&d.join("model.safetensors.index.json")));
-    expect_error(&["generate", "--model", "/etc/passwd", "--prompt-ids", "2"], "/etc/passwd is a file, not a model directory");
+    broken("t1-f32", "generation_config.json is a directory", |d| {
+        std::fs::create_dir(d.join("generation_config.json")).unwrap()
+    });
+    broken("t2-moe", "model.safetensors.index.json is a named pipe", |d| {
+        mkfifo(&d.join("model.safetensors.index.json"))
+    });
+    expect_error(
+        &["generate", "--model", "/etc/passwd", "--prompt-ids", "2"],
+        "/etc/passwd is a file, not a model directory",
+    );
 
     // Symlinks to regular files are followed: the Hugging Face cache is made of them.
     let dir = scratch_copy("t1-f32");
@@ -266,7 +282,9 @@ fn non_finite_logits_are_an_error_naming_the_step() {
     broken("t1-f32", "the model's logits are not finite at generation step 1", |d| {
         fill_f32(&d.join("model.safetensors"), "model.norm.weight", f32::NAN)
     });
-    broken("t1-f32", "logits are not finite", |d| fill_f32(&d.join("model.safetensors"), "model.layers.0.mlp.down_proj.weight", f32::INFINITY));
+    broken("t1-f32", "logits are not finite", |d| {
+        fill_f32(&d.join("model.safetensors"), "model.layers.0.mlp.down_proj.weight", f32::INFINITY)
+    });
 }
 
 #[test]
@@ -277,7 +295,19 @@ fn a_broken_drafter_is_an_error_never_an_out_of_vocabulary_draft() {
         fill_f32(&dir.join("model.safetensors"), tensor, f32::NAN);
         let d = dir.display().to_string();
         expect_error(
-            &["generate", "--model", &target, "--assistant", &d, "--prompt-ids", "2,17,33", "--draft-tokens", "3", "--max-new-tokens", "8"],
+            &[
+                "generate",
+                "--model",
+                &target,
+                "--assistant",
+                &d,
+                "--prompt-ids",
+                "2,17,33",
+                "--draft-tokens",
+                "3",
+                "--max-new-tokens",
+                "8",
+            ],
             "the assistant's logits are not finite at draft step",
         );
         let _ = std::fs::remove_dir_all(&dir);
@@ -386,6 +416,12 @@ fn tokenizers_larger_than_the_embedding_load_and_only_their_extra_ids_are_refuse
     // Typing that token reaches the model only as an id it does not have: refused by name.
     let r = run(&["generate", "--model", &d, "--prompt", "a <brand-new-mask>", "--max-new-tokens", "2"]);
     assert_eq!(r.code, 1, "{}", r.err);
-    assert!(r.err.contains("\"<brand-new-mask>\" (the tokenizer's mask_token), id 768, which is beyond the model's vocabulary of 768"), "{}", r.err);
+    assert!(
+        r.err.contains(
+            "\"<brand-new-mask>\" (the tokenizer's mask_token), id 768, which is beyond the model's vocabulary of 768"
+        ),
+        "{}",
+        r.err
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

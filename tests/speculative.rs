@@ -8,9 +8,9 @@ use std::collections::HashMap;
 
 use common::stats::{chi_square, exact_marginals};
 use common::*;
+use tandem::decode::draft_policy::{DraftLength, DraftPolicy};
 use tandem::decode::generate::{generate, generate_until, Flow, GenerateOptions};
 use tandem::decode::sampling::{Rng, SamplingParams};
-use tandem::decode::draft_policy::{DraftLength, DraftPolicy};
 use tandem::decode::speculative::{generate_speculative, generate_speculative_until, Drafter};
 use tandem::model::assistant::{Assistant, DraftLogits, DraftStep};
 use tandem::model::{KvCache, TargetModel};
@@ -47,7 +47,8 @@ impl Drafter for Oracle {
         st.1 += 1;
         let at = p + st.1;
         let right = self.truth.get(at).copied().unwrap_or(5);
-        let token = if st.2.next_f64() < self.error_rate { (right + 1 + (st.2.next_u64() % 5) as u32) % 256 } else { right };
+        let token =
+            if st.2.next_f64() < self.error_rate { (right + 1 + (st.2.next_u64() % 5) as u32) % 256 } else { right };
         DraftStep { logits: DraftLogits::Sparse { ids: vec![token], logits: vec![0.0] }, hidden: h.to_vec() }
     }
 }
@@ -60,13 +61,23 @@ fn greedy_with_the_real_drafters_equals_plain_greedy() {
         let a = Assistant::load(&fixture_dir(name)).unwrap();
         for case in 0..10 {
             let prompt = random_prompt(&mut rng, 256);
-            let sampling = SamplingParams { repeat_penalty: if case % 3 == 0 { 1.3 } else { 1.0 }, ..SamplingParams::default() };
+            let sampling =
+                SamplingParams { repeat_penalty: if case % 3 == 0 { 1.3 } else { 1.0 }, ..SamplingParams::default() };
             let o = opts(30, sampling);
             let plain = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
-            for dl in [DraftLength::Fixed(1), DraftLength::Fixed(3), DraftLength::Fixed(5), DraftLength::Fixed(8), DraftLength::Auto] {
+            for dl in [
+                DraftLength::Fixed(1),
+                DraftLength::Fixed(3),
+                DraftLength::Fixed(5),
+                DraftLength::Fixed(8),
+                DraftLength::Auto,
+            ] {
                 let (g, stats) = generate_speculative(&target, &a, &prompt, &o, &mut dl.into(), true, |_| {}).unwrap();
                 assert_eq!(g.tokens, plain, "{name} {dl:?} prompt {prompt:?}");
-                assert_eq!(stats.drafted_tokens, stats.rounds.as_ref().unwrap().iter().map(|r| r.drafted.len()).sum::<usize>());
+                assert_eq!(
+                    stats.drafted_tokens,
+                    stats.rounds.as_ref().unwrap().iter().map(|r| r.drafted.len()).sum::<usize>()
+                );
             }
         }
     }
@@ -84,7 +95,16 @@ fn greedy_with_partial_and_full_acceptance_equals_plain_greedy_on_every_target()
             let truth: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
             for (k, err) in [(1, 0.3), (4, 0.0), (4, 0.3), (7, 0.15)] {
                 let oracle = Oracle::new(truth.clone(), err, case);
-                let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Fixed(k).into(), true, |_| {}).unwrap();
+                let (g, stats) = generate_speculative(
+                    &target,
+                    &oracle,
+                    &prompt,
+                    &o,
+                    &mut DraftLength::Fixed(k).into(),
+                    true,
+                    |_| {},
+                )
+                .unwrap();
                 assert_eq!(g.tokens, plain, "{name} k={k} err={err}");
                 let rounds = stats.rounds.unwrap();
                 if err == 0.0 {
@@ -115,10 +135,17 @@ fn a_trained_drafter_is_mostly_accepted_and_greedy_stays_lossless() {
     let (mut drafted, mut accepted, mut full, mut partial, mut none) = (0, 0, 0, 0, 0);
     for case in 0..8 {
         let prompt = warmed_prompt(&target, &mut rng);
-        let sampling = SamplingParams { repeat_penalty: if case == 7 { 1.3 } else { 1.0 }, ..SamplingParams::default() };
+        let sampling =
+            SamplingParams { repeat_penalty: if case == 7 { 1.3 } else { 1.0 }, ..SamplingParams::default() };
         let o = opts(40, sampling);
         let plain = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
-        for dl in [DraftLength::Fixed(1), DraftLength::Fixed(3), DraftLength::Fixed(4), DraftLength::Fixed(6), DraftLength::Auto] {
+        for dl in [
+            DraftLength::Fixed(1),
+            DraftLength::Fixed(3),
+            DraftLength::Fixed(4),
+            DraftLength::Fixed(6),
+            DraftLength::Auto,
+        ] {
             let (g, stats) = generate_speculative(&target, &a, &prompt, &o, &mut dl.into(), true, |_| {}).unwrap();
             assert_eq!(g.tokens, plain, "{dl:?} prompt {prompt:?}");
             if matches!(dl, DraftLength::Fixed(_)) && case != 7 {
@@ -150,7 +177,9 @@ fn eos_and_max_new_tokens_are_exact() {
     for max_new in 1..12 {
         let o = opts(max_new, SamplingParams::default());
         let oracle = Oracle::new(truth.clone(), 0.0, 1);
-        let (g, _) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Fixed(5).into(), false, |_| {}).unwrap();
+        let (g, _) =
+            generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Fixed(5).into(), false, |_| {})
+                .unwrap();
         assert_eq!(g.tokens, plain[..max_new], "max_new_tokens {max_new}");
     }
     // An eos id that the drafts run straight through: generation stops right after it.
@@ -159,7 +188,10 @@ fn eos_and_max_new_tokens_are_exact() {
     let o = GenerateOptions { ignore_eos: false, ..opts(40, SamplingParams::default()) };
     let oracle = Oracle::new(truth.clone(), 0.0, 1);
     let mut streamed = Vec::new();
-    let (g, _) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Fixed(6).into(), false, |t| streamed.extend_from_slice(t)).unwrap();
+    let (g, _) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Fixed(6).into(), false, |t| {
+        streamed.extend_from_slice(t)
+    })
+    .unwrap();
     assert_eq!(g.tokens, plain[..=at]);
     assert_eq!(streamed, g.tokens, "only committed tokens are streamed");
     assert_eq!(g.finish_reason, tandem::decode::generate::FinishReason::Stop);
@@ -185,13 +217,25 @@ fn speculative_sampling_has_exactly_the_plain_sampling_distribution() {
     // Real drafter (drafts sampled from its own processed distribution) and a point-mass drafter that
     // proposes plausible but often wrong tokens.
     let spec_real: Vec<Vec<u32>> = (0..n as u64)
-        .map(|s| generate_speculative(&target, &a, &prompt, &o(s), &mut DraftLength::Fixed(3).into(), false, |_| {}).unwrap().0.tokens)
+        .map(|s| {
+            generate_speculative(&target, &a, &prompt, &o(s), &mut DraftLength::Fixed(3).into(), false, |_| {})
+                .unwrap()
+                .0
+                .tokens
+        })
         .collect();
-    let truth: Vec<u32> = prompt.iter().copied().chain(generate(&target, &prompt, &opts(3, SamplingParams::default()), |_| {}).unwrap().tokens).collect();
+    let truth: Vec<u32> = prompt
+        .iter()
+        .copied()
+        .chain(generate(&target, &prompt, &opts(3, SamplingParams::default()), |_| {}).unwrap().tokens)
+        .collect();
     let spec_oracle: Vec<Vec<u32>> = (0..n as u64)
         .map(|s| {
             let oracle = Oracle::new(truth.clone(), 0.5, s);
-            generate_speculative(&target, &oracle, &prompt, &o(s), &mut DraftLength::Fixed(3).into(), false, |_| {}).unwrap().0.tokens
+            generate_speculative(&target, &oracle, &prompt, &o(s), &mut DraftLength::Fixed(3).into(), false, |_| {})
+                .unwrap()
+                .0
+                .tokens
         })
         .collect();
     for (label, runs) in [("assistant", spec_real), ("oracle", spec_oracle)] {
@@ -199,13 +243,19 @@ fn speculative_sampling_has_exactly_the_plain_sampling_distribution() {
         for (i, (c, m)) in [(c1, &m1), (c2, &m2)].into_iter().enumerate() {
             let (stat, crit) = chi_square(&c, m, n);
             println!("{label}: token {}: chi2 {stat:.1} (critical {crit:.1})", i + 1);
-            assert!(stat < crit, "{label}: token {} distribution differs from plain sampling: chi2 {stat} >= {crit}", i + 1);
+            assert!(
+                stat < crit,
+                "{label}: token {} distribution differs from plain sampling: chi2 {stat} >= {crit}",
+                i + 1
+            );
         }
     }
     // The test has power: a different temperature is detected.
     let hot = SamplingParams { temperature: 1.6, ..params.clone() };
     let wrong: Vec<Vec<u32>> = (0..n as u64)
-        .map(|s| generate(&target, &prompt, &opts(3, SamplingParams { seed: s, ..hot.clone() }), |_| {}).unwrap().tokens)
+        .map(|s| {
+            generate(&target, &prompt, &opts(3, SamplingParams { seed: s, ..hot.clone() }), |_| {}).unwrap().tokens
+        })
         .collect();
     let (_, c2) = count(wrong);
     let (stat, crit) = chi_square(&c2, &m2, n);
@@ -231,7 +281,8 @@ fn speculative_sampling_with_a_mostly_accepted_drafter_keeps_the_plain_distribut
         let o = opts(3, SamplingParams { seed, ..params.clone() });
         let mut policy = DraftPolicy::from(DraftLength::Fixed(3));
         let (g, stats) =
-            generate_speculative_until(&target, &a, &mut cache, &prompt, &o, &mut policy, false, |_| Flow::Continue).unwrap();
+            generate_speculative_until(&target, &a, &mut cache, &prompt, &o, &mut policy, false, |_| Flow::Continue)
+                .unwrap();
         *c1.entry(g.tokens[1]).or_insert(0) += 1;
         *c2.entry(g.tokens[2]).or_insert(0) += 1;
         drafted += stats.drafted_tokens;
@@ -257,7 +308,8 @@ fn auto_draft_length_stops_drafting_when_nothing_is_accepted() {
     let plain = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
     let wrong: Vec<u32> = prompt.iter().chain(&plain).map(|t| (t + 1) % 256).collect();
     let oracle = Oracle::new(wrong, 0.0, 3);
-    let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Auto.into(), true, |_| {}).unwrap();
+    let (g, stats) =
+        generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Auto.into(), true, |_| {}).unwrap();
     assert_eq!(g.tokens, plain);
     assert_eq!(stats.accepted_tokens, 0);
     let rounds = stats.rounds.unwrap();
@@ -268,7 +320,8 @@ fn auto_draft_length_stops_drafting_when_nothing_is_accepted() {
     // src/decode/draft_policy.rs.)
     let truth: Vec<u32> = prompt.iter().chain(&plain).copied().collect();
     let oracle = Oracle::new(truth, 0.0, 3);
-    let (g, stats) = generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Auto.into(), false, |_| {}).unwrap();
+    let (g, stats) =
+        generate_speculative(&target, &oracle, &prompt, &o, &mut DraftLength::Auto.into(), false, |_| {}).unwrap();
     assert_eq!(g.tokens, plain);
     assert_eq!(stats.accepted_tokens, stats.drafted_tokens);
 }
@@ -291,12 +344,18 @@ fn a_conversation_in_one_cache_generates_what_fresh_runs_generate() {
             let plain = generate_until(&target, &mut plain_cache, &prompt, &o, |_| Flow::Continue).unwrap();
             assert_eq!(plain.tokens, fresh, "turn {turn}: plain");
             let (spec, _) =
-                generate_speculative_until(&target, &a, &mut spec_cache, &prompt, &o, &mut policy, false, |_| Flow::Continue)
-                    .unwrap();
-            let fresh_spec = generate_speculative(&target, &a, &prompt, &o, &mut DraftLength::Fixed(3).into(), false, |_| {});
+                generate_speculative_until(&target, &a, &mut spec_cache, &prompt, &o, &mut policy, false, |_| {
+                    Flow::Continue
+                })
+                .unwrap();
+            let fresh_spec =
+                generate_speculative(&target, &a, &prompt, &o, &mut DraftLength::Fixed(3).into(), false, |_| {});
             assert_eq!(spec.tokens, fresh_spec.unwrap().0.tokens, "turn {turn}: speculative");
             if turn > 0 && turn != 3 {
-                assert!(plain.stats.cached_prompt_tokens > 0 && spec.stats.cached_prompt_tokens > 0, "turn {turn}: nothing reused");
+                assert!(
+                    plain.stats.cached_prompt_tokens > 0 && spec.stats.cached_prompt_tokens > 0,
+                    "turn {turn}: nothing reused"
+                );
             }
             if turn == 2 {
                 prompt = random_prompt(&mut rng, 256); // a new conversation

@@ -31,7 +31,15 @@ fn loads_with_the_declared_special_tokens() {
     assert_eq!(tok.special_token("bos_token"), Some("<bos>"));
     assert_eq!(tok.special_token("eot_token"), Some("<turn|>"));
     assert_eq!(tok.special_token("soc_token"), Some("<|channel>"));
-    for (token, id) in [("<pad>", 0), ("<eos>", 1), ("<bos>", 2), ("<|channel>", 100), ("<channel|>", 101), ("<|turn>", 105), ("<turn|>", 106)] {
+    for (token, id) in [
+        ("<pad>", 0),
+        ("<eos>", 1),
+        ("<bos>", 2),
+        ("<|channel>", 100),
+        ("<channel|>", 101),
+        ("<|turn>", 105),
+        ("<turn|>", 106),
+    ] {
         assert_eq!(tok.token_to_id(token), Some(id), "{token}");
     }
 }
@@ -48,7 +56,8 @@ fn encodings_match_transformers() {
         let got = tok.encode(text, add).unwrap();
         assert_eq!(got, ids(&case["ids"]), "encode({text:?}, add_special_tokens={add})");
         let names: Vec<String> = got.iter().map(|&i| tok.id_to_token(i).unwrap()).collect();
-        let want: Vec<String> = case["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect();
+        let want: Vec<String> =
+            case["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect();
         assert_eq!(names, want, "tokens of {text:?}");
     }
 }
@@ -156,7 +165,10 @@ fn fixture_template_renders_as_transformers() {
     assert!(cases.len() >= 10);
     check_renderings(&tok, &template, cases, "fixture template");
     for case in g["chat_errors"].as_array().unwrap() {
-        let err = template.render(&case["messages"], tok.special_tokens(), &RenderOptions::default()).unwrap_err().to_string();
+        let err = template
+            .render(&case["messages"], tok.special_tokens(), &RenderOptions::default())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains(case["error"].as_str().unwrap()), "{err}");
     }
 }
@@ -188,12 +200,14 @@ fn tokenizer_file_variants_load_as_in_transformers() {
         let dir: PathBuf = std::env::temp_dir().join(format!("tandem-text-variant-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let mut tj: Value = serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap()).unwrap();
+        let mut tj: Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap()).unwrap();
         for key in variant["tokenizer_json_null"].as_array().unwrap() {
             tj[key.as_str().unwrap()] = Value::Null;
         }
         std::fs::write(dir.join("tokenizer.json"), tj.to_string()).unwrap();
-        let mut tc: Value = serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer_config.json")).unwrap()).unwrap();
+        let mut tc: Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer_config.json")).unwrap()).unwrap();
         for (k, v) in variant["tokenizer_config_set"].as_object().unwrap() {
             tc[k] = v.clone();
         }
@@ -250,5 +264,8 @@ fn text_stream_hides_or_shows_thinking_and_skips_eos() {
     let p = ts.push(&ids).unwrap();
     assert_eq!(p.visible, "one ");
     let k = p.keep.unwrap();
-    assert!(tok.decode(&ids[..k], false).unwrap().contains("two") && !tok.decode(&ids[..k - 1], false).unwrap().contains("two"));
+    assert!(
+        tok.decode(&ids[..k], false).unwrap().contains("two")
+            && !tok.decode(&ids[..k - 1], false).unwrap().contains("two")
+    );
 }

@@ -29,7 +29,11 @@ fn tandem_with_input(args: &[&str], input: Option<&str>) -> (i32, String, String
         }
     }
     let out = child.wait_with_output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 fn dir(name: &str) -> String {
@@ -60,7 +64,12 @@ fn reliable_steps(golden: &Value) -> usize {
 fn golden_args(g: &Value) -> Vec<String> {
     let mut a: Vec<String> = vec!["generate".into(), "--model".into(), dir("text-tiny")];
     if g["mode"] == "chat" {
-        a.extend(["--system".into(), g["system"].as_str().unwrap().into(), "--chat".into(), g["user"].as_str().unwrap().into()]);
+        a.extend([
+            "--system".into(),
+            g["system"].as_str().unwrap().into(),
+            "--chat".into(),
+            g["user"].as_str().unwrap().into(),
+        ]);
     } else {
         a.extend(["--prompt".into(), g["prompt"].as_str().unwrap().into()]);
     }
@@ -73,9 +82,13 @@ fn golden_args(g: &Value) -> Vec<String> {
 fn text_prompts_match_transformers_end_to_end() {
     for g in generation_goldens() {
         let base = golden_args(&g);
-        for extra in [vec![], vec!["--assistant", "ASSISTANT"], vec!["--assistant", "ASSISTANT", "--draft-tokens", "auto"]] {
+        for extra in
+            [vec![], vec!["--assistant", "ASSISTANT"], vec!["--assistant", "ASSISTANT", "--draft-tokens", "auto"]]
+        {
             let mut args: Vec<String> = base.clone();
-            args.extend(extra.iter().map(|s| if *s == "ASSISTANT" { dir("text-tiny-assistant") } else { s.to_string() }));
+            args.extend(
+                extra.iter().map(|s| if *s == "ASSISTANT" { dir("text-tiny-assistant") } else { s.to_string() }),
+            );
             args.push("--json".into());
             let refs: Vec<&str> = args.iter().map(String::as_str).collect();
             let v = json_run(&refs);
@@ -134,16 +147,36 @@ fn stop_strings_cut_the_text_and_the_tokens() {
 
 #[test]
 fn prompt_ids_get_a_text_field_when_there_is_a_tokenizer() {
-    let v = json_run(&["generate", "--model", &dir("text-tiny"), "--prompt-ids", "2,105,371", "--max-new-tokens", "6", "--ignore-eos", "--json"]);
+    let v = json_run(&[
+        "generate",
+        "--model",
+        &dir("text-tiny"),
+        "--prompt-ids",
+        "2,105,371",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+    ]);
     let tok = TextTokenizer::load(&fixture_dir("text-tiny")).unwrap();
     assert_eq!(v["text"].as_str().unwrap(), tok.decode(&ids(&v["tokens"]), false).unwrap());
     // Plain output of --prompt-ids stays token ids.
-    let (code, out, _) = tandem(&["generate", "--model", &dir("text-tiny"), "--prompt-ids", "2,105,371", "--max-new-tokens", "6", "--ignore-eos"]);
+    let (code, out, _) = tandem(&[
+        "generate",
+        "--model",
+        &dir("text-tiny"),
+        "--prompt-ids",
+        "2,105,371",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+    ]);
     assert_eq!(code, 0);
     let printed: Vec<u32> = out.split_whitespace().map(|t| t.parse().unwrap()).collect();
     assert_eq!(printed, ids(&v["tokens"]));
     // Without a tokenizer the field stays null.
-    let v = json_run(&["generate", "--model", &dir("t1-f32"), "--prompt-ids", "2,17", "--max-new-tokens", "2", "--json"]);
+    let v =
+        json_run(&["generate", "--model", &dir("t1-f32"), "--prompt-ids", "2,17", "--max-new-tokens", "2", "--json"]);
     assert!(v["text"].is_null());
 }
 
@@ -170,7 +203,6 @@ fn eos_ends_the_text_without_printing_it() {
     let v = json_run(&json_args);
     assert_eq!(v["text"].as_str().unwrap(), format!("{text}<eos>"));
 }
-
 
 fn expect_error(args: &[&str], needle: &str) {
     let (code, _out, err) = tandem(args);
@@ -202,7 +234,8 @@ fn broken_text_setups_are_clear_errors() {
     std::fs::write(d.join("tokenizer.json"), "{ not json").unwrap();
     expect_error(&["generate", "--model", d.to_str().unwrap(), "--prompt", "hi"], "cannot load the tokenizer");
     // With token ids the run still works, without text.
-    let (code, out, err) = tandem(&["generate", "--model", d.to_str().unwrap(), "--prompt-ids", "2,3", "--max-new-tokens", "2", "--json"]);
+    let (code, out, err) =
+        tandem(&["generate", "--model", d.to_str().unwrap(), "--prompt-ids", "2,3", "--max-new-tokens", "2", "--json"]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("warning"), "{err}");
     assert!(serde_json::from_str::<Value>(out.trim()).unwrap()["text"].is_null());
@@ -255,7 +288,8 @@ fn piped_chat_keeps_history_and_resets() {
     let first = reply_of(&gen_args);
     let mut chat_args = vec!["chat"];
     chat_args.extend(common);
-    let (code, out, err) = tandem_with_input(&chat_args, Some("Hello\nHello\n/reset\n\n/bogus\nHello\n/exit\nnever read\n"));
+    let (code, out, err) =
+        tandem_with_input(&chat_args, Some("Hello\nHello\n/reset\n\n/bogus\nHello\n/exit\nnever read\n"));
     assert_eq!(code, 0, "{err}");
     // The first reply equals generate --chat; after /reset the same question gets the same reply; the
     // second question sees the first exchange, so its prompt differs.
@@ -278,12 +312,14 @@ fn piped_chat_with_an_assistant_gives_the_same_replies() {
     let assistant = dir("text-tiny-assistant");
     let input = "Hello\nWhat now?\n";
     let (c1, plain, e1) = tandem_with_input(&["chat", "--model", &model, "--max-new-tokens", "12"], Some(input));
-    let (c2, spec, e2) = tandem_with_input(&["chat", "--model", &model, "--assistant", &assistant, "--max-new-tokens", "12"], Some(input));
+    let (c2, spec, e2) = tandem_with_input(
+        &["chat", "--model", &model, "--assistant", &assistant, "--max-new-tokens", "12"],
+        Some(input),
+    );
     assert_eq!((c1, c2), (0, 0), "{e1} {e2}");
     assert_eq!(plain, spec);
     assert!(e2.contains("drafts accepted"), "{e2}");
 }
-
 
 #[test]
 fn chat_switches_drafting_per_reply() {
@@ -300,7 +336,12 @@ fn chat_switches_drafting_per_reply() {
     assert!(replies[..n] == replies[n..2 * n] && replies[..n] == replies[2 * n..], "{out:?}");
     let summaries: Vec<&str> = err.lines().filter(|l| l.starts_with('[')).collect();
     assert_eq!(summaries.len(), 3, "{err}");
-    assert!(summaries[0].contains("drafts accepted") && !summaries[1].contains("drafts accepted") && summaries[2].contains("drafts accepted"), "{err}");
+    assert!(
+        summaries[0].contains("drafts accepted")
+            && !summaries[1].contains("drafts accepted")
+            && summaries[2].contains("drafts accepted"),
+        "{err}"
+    );
     assert!(err.contains("(drafting off)") && err.matches("(drafting on, draft tokens 3)").count() == 3, "{err}");
     assert!(err.contains("error: /draft takes off, on, auto or a number"), "{err}");
     // Without an assistant there is nothing to switch.

@@ -238,7 +238,12 @@ mod tests {
 
     /// Feed the policy synthetic rounds: `accept(i)` says whether the draft at position i is right,
     /// `verify(rows)` and `draft` are the costs in seconds. Returns the k chosen in each round.
-    fn simulate(rounds: usize, accept: impl Fn(usize) -> bool, verify: impl Fn(usize) -> f64, draft: f64) -> Vec<usize> {
+    fn simulate(
+        rounds: usize,
+        accept: impl Fn(usize) -> bool,
+        verify: impl Fn(usize) -> f64,
+        draft: f64,
+    ) -> Vec<usize> {
         let mut a = DraftPolicy::from(DraftLength::Auto);
         (0..rounds)
             .map(|_| {

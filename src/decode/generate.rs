@@ -112,7 +112,12 @@ pub fn check_logits(logits: &[f32], step: usize) -> Result<()> {
 
 /// Run the prompt through the model in chunks, reusing whatever prefix of it `cache` already holds;
 /// returns the last row's logits and hidden state. Records the prefill speed and the reused tokens.
-pub fn prefill(model: &TargetModel, cache: &mut KvCache, prompt: &[u32], stats: &mut Stats) -> Result<crate::model::Forward> {
+pub fn prefill(
+    model: &TargetModel,
+    cache: &mut KvCache,
+    prompt: &[u32],
+    stats: &mut Stats,
+) -> Result<crate::model::Forward> {
     let t0 = Instant::now();
     let cached = cache.reuse_prefix(prompt);
     let mut last = None;

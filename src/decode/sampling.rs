@@ -45,14 +45,7 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repeat_penalty: 1.0,
-            seed: 0,
-        }
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repeat_penalty: 1.0, seed: 0 }
     }
 }
 
@@ -63,33 +56,19 @@ pub const MIN_TEMPERATURE: f32 = 1e-4;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SamplingError {
     #[error("invalid sampling parameter {name} = {value}: must be {allowed}")]
-    InvalidParameter {
-        name: &'static str,
-        value: String,
-        allowed: &'static str,
-    },
+    InvalidParameter { name: &'static str, value: String, allowed: &'static str },
 }
 
 impl SamplingParams {
     /// Check that every parameter is in its allowed range.
     pub fn validate(&self) -> Result<(), SamplingError> {
         fn bad(name: &'static str, value: f32, allowed: &'static str) -> Result<(), SamplingError> {
-            Err(SamplingError::InvalidParameter {
-                name,
-                value: format!("{value:?}"),
-                allowed,
-            })
+            Err(SamplingError::InvalidParameter { name, value: format!("{value:?}"), allowed })
         }
         // Below MIN_TEMPERATURE, dividing the logits overflows f32 for ordinary logit values and the
         // distribution turns into a uniform draw over the overflowed tokens: refuse it.
-        if !(self.temperature.is_finite()
-            && (self.temperature == 0.0 || self.temperature >= MIN_TEMPERATURE))
-        {
-            return bad(
-                "temperature",
-                self.temperature,
-                "0 (greedy) or a finite number >= 1e-4",
-            );
+        if !(self.temperature.is_finite() && (self.temperature == 0.0 || self.temperature >= MIN_TEMPERATURE)) {
+            return bad("temperature", self.temperature, "0 (greedy) or a finite number >= 1e-4");
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", self.top_p, "in (0, 1] (1 = off)");
@@ -98,11 +77,7 @@ impl SamplingParams {
             return bad("min_p", self.min_p, "in [0, 1] (0 = off)");
         }
         if !(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0) {
-            return bad(
-                "repeat_penalty",
-                self.repeat_penalty,
-                "finite and > 0 (1 = off)",
-            );
+            return bad("repeat_penalty", self.repeat_penalty, "finite and > 0 (1 = off)");
         }
         Ok(())
     }
@@ -264,10 +239,7 @@ impl Sampler {
             // Same weights, in the same id order, as the zero-padded dense `probs`.
             Some(ids) if !ids.is_empty() => {
                 let w = softmax_over(&l, &ids);
-                let pick = draw(
-                    &mut self.rng,
-                    ids.iter().zip(&w).map(|(&i, &w)| (i as usize, w)),
-                );
+                let pick = draw(&mut self.rng, ids.iter().zip(&w).map(|(&i, &w)| (i as usize, w)));
                 pick.unwrap_or(0) as u32
             }
             _ => {
@@ -293,11 +265,7 @@ impl Sampler {
 /// and positive are skipped. `None` if there is no positive weight.
 fn draw<I: Iterator<Item = (usize, f32)> + Clone>(rng: &mut Rng, items: I) -> Option<usize> {
     let usable = |w: f32| w > 0.0 && w.is_finite();
-    let total: f64 = items
-        .clone()
-        .filter(|&(_, w)| usable(w))
-        .map(|(_, w)| w as f64)
-        .sum();
+    let total: f64 = items.clone().filter(|&(_, w)| usable(w)).map(|(_, w)| w as f64).sum();
     if total <= 0.0 {
         return None;
     }
@@ -324,10 +292,7 @@ fn draw<I: Iterator<Item = (usize, f32)> + Clone>(rng: &mut Rng, items: I) -> Op
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let m = max_ignoring_nan(logits);
     if m == f32::NEG_INFINITY {
-        return logits
-            .iter()
-            .map(|&x| if x.is_nan() { x } else { f32::NEG_INFINITY })
-            .collect();
+        return logits.iter().map(|&x| if x.is_nan() { x } else { f32::NEG_INFINITY }).collect();
     }
     if m == f32::INFINITY {
         let n = logits.iter().filter(|&&x| x == f32::INFINITY).count();
@@ -345,11 +310,7 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
             })
             .collect();
     }
-    let sum: f64 = logits
-        .iter()
-        .filter(|x| !x.is_nan())
-        .map(|&x| (x - m).exp() as f64)
-        .sum();
+    let sum: f64 = logits.iter().filter(|x| !x.is_nan()).map(|&x| (x - m).exp() as f64).sum();
     let lse = m as f64 + sum.ln();
     logits.iter().map(|&x| (x as f64 - lse) as f32).collect()
 }
@@ -371,10 +332,7 @@ pub fn top_n(values: &[f32], n: usize) -> Vec<(u32, f32)> {
             }
         }
     }
-    heap.into_sorted_vec()
-        .into_iter()
-        .map(|e| (e.id, e.v))
-        .collect()
+    heap.into_sorted_vec().into_iter().map(|e| (e.id, e.v)).collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -423,9 +381,7 @@ fn nan_to_neg_inf(logits: &mut [f32]) {
 }
 
 fn max_ignoring_nan(x: &[f32]) -> f32 {
-    x.iter()
-        .filter(|v| !v.is_nan())
-        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+    x.iter().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
 /// [`shifted_exp`] of each of `ids`' logits: one SIMD pass over the whole vector when `ids` covers much
@@ -482,9 +438,7 @@ fn softmax_into(l: &[f32], out: &mut [f32]) {
 /// Softmax restricted to `ids` (every other logit is `-inf`), aligned with `ids`; empty if
 /// `ids` is empty. Gives the same values as [`softmax_into`] on the full vector.
 fn softmax_over(l: &[f32], ids: &[u32]) -> Vec<f32> {
-    let m = ids
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &i| m.max(l[i as usize]));
+    let m = ids.iter().fold(f32::NEG_INFINITY, |m, &i| m.max(l[i as usize]));
     let mut w = shifted_exps(l, ids, m);
     let z: f64 = w.iter().map(|&e| e as f64).sum();
     for e in w.iter_mut() {
@@ -496,14 +450,8 @@ fn softmax_over(l: &[f32], ids: &[u32]) -> Vec<f32> {
 /// The ids in `cands` (or all ids) whose logit is not `-inf`, ascending.
 fn surviving(logits: &[f32], cands: Option<&[u32]>) -> Vec<u32> {
     match cands {
-        Some(ids) => ids
-            .iter()
-            .copied()
-            .filter(|&i| logits[i as usize] > f32::NEG_INFINITY)
-            .collect(),
-        None => (0..logits.len() as u32)
-            .filter(|&i| logits[i as usize] > f32::NEG_INFINITY)
-            .collect(),
+        Some(ids) => ids.iter().copied().filter(|&i| logits[i as usize] > f32::NEG_INFINITY).collect(),
+        None => (0..logits.len() as u32).filter(|&i| logits[i as usize] > f32::NEG_INFINITY).collect(),
     }
 }
 
@@ -574,9 +522,7 @@ fn top_p_filter(logits: &mut [f32], cands: Option<&[u32]>, top_p: f32) -> Vec<u3
     if ids.len() <= 1 {
         return ids;
     }
-    let m = ids
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &i| m.max(logits[i as usize]));
+    let m = ids.iter().fold(f32::NEG_INFINITY, |m, &i| m.max(logits[i as usize]));
     let mut cs: Vec<Cand> = ids
         .iter()
         .zip(shifted_exps(logits, &ids, m))
@@ -636,13 +582,7 @@ fn min_p_filter(logits: &mut [f32], cands: Option<&[u32]>, min_p: f32) -> Vec<u3
         return ids;
     }
     // The first maximum (ids ascending), like torch.topk(probs, 1).
-    let best = ids.iter().copied().fold(ids[0], |b, i| {
-        if logits[i as usize] > logits[b as usize] {
-            i
-        } else {
-            b
-        }
-    });
+    let best = ids.iter().copied().fold(ids[0], |b, i| if logits[i as usize] > logits[b as usize] { i } else { b });
     let m = logits[best as usize];
     let z: f64 = shifted_exps(logits, &ids, m).iter().map(|&e| e as f64).sum();
     let top_prob = (1.0 / z) as f32; // exp(m - m) / z
@@ -667,10 +607,7 @@ mod tests {
     const NINF: f32 = f32::NEG_INFINITY;
 
     fn sampling(temperature: f32) -> SamplingParams {
-        SamplingParams {
-            temperature,
-            ..SamplingParams::default()
-        }
+        SamplingParams { temperature, ..SamplingParams::default() }
     }
 
     fn processed(params: SamplingParams, logits: &[f32], history: &[u32]) -> Vec<f32> {
@@ -687,57 +624,37 @@ mod tests {
 
     #[test]
     fn repetition_penalty_signs_and_distinct_ids() {
-        let p = SamplingParams {
-            repeat_penalty: 2.0,
-            ..sampling(1.0)
-        };
+        let p = SamplingParams { repeat_penalty: 2.0, ..sampling(1.0) };
         // id 2 appears three times but is penalised once; 99 is outside the vocabulary.
         let out = processed(p, &[-1.0, 4.0, 2.0, 0.0, 5.0], &[0, 0, 2, 2, 2, 3, 99]);
         assert_eq!(out, vec![-2.0, 4.0, 1.0, 0.0, 5.0]);
         // penalty < 1 rewards repeats.
-        let p = SamplingParams {
-            repeat_penalty: 0.5,
-            ..sampling(1.0)
-        };
+        let p = SamplingParams { repeat_penalty: 0.5, ..sampling(1.0) };
         let out = processed(p, &[-1.0, 4.0, 2.0], &[0, 1, 1]);
         assert_eq!(out, vec![-0.5, 8.0, 2.0]);
     }
 
     #[test]
     fn repetition_penalty_applies_in_greedy_mode() {
-        let p = SamplingParams {
-            repeat_penalty: 2.0,
-            ..SamplingParams::default()
-        };
+        let p = SamplingParams { repeat_penalty: 2.0, ..SamplingParams::default() };
         let mut s = Sampler::new(p.clone());
         assert_eq!(s.sample(&[3.0, 2.0], &[]), 0);
         assert_eq!(s.sample(&[3.0, 2.0], &[0]), 1); // 3/2 = 1.5 < 2
         assert_eq!(s.probs(&[3.0, 2.0], &[0]), vec![0.0, 1.0]);
         // Greedy applies no warpers: top_k / temperature-only settings are ignored.
-        let p = SamplingParams {
-            top_k: 1,
-            top_p: 0.1,
-            min_p: 1.0,
-            ..p
-        };
+        let p = SamplingParams { top_k: 1, top_p: 0.1, min_p: 1.0, ..p };
         assert_eq!(processed(p, &[1.0, 2.0, 3.0], &[]), vec![1.0, 2.0, 3.0]);
     }
 
     #[test]
     fn temperature_divides() {
-        assert_eq!(
-            processed(sampling(0.5), &[1.0, 2.0, -4.0], &[]),
-            vec![2.0, 4.0, -8.0]
-        );
+        assert_eq!(processed(sampling(0.5), &[1.0, 2.0, -4.0], &[]), vec![2.0, 4.0, -8.0]);
         assert_eq!(processed(sampling(2.0), &[1.0, NINF], &[]), vec![0.5, NINF]);
     }
 
     #[test]
     fn top_k_keeps_ties_at_boundary() {
-        let k = |top_k| SamplingParams {
-            top_k,
-            ..sampling(1.0)
-        };
+        let k = |top_k| SamplingParams { top_k, ..sampling(1.0) };
         let l = [1.0, 3.0, 2.0, 2.0, 0.0];
         assert_eq!(processed(k(2), &l, &[]), vec![NINF, 3.0, 2.0, 2.0, NINF]);
         assert_eq!(processed(k(1), &l, &[]), vec![NINF, 3.0, NINF, NINF, NINF]);
@@ -746,18 +663,12 @@ mod tests {
         assert_eq!(processed(k(5), &l, &[]), l.to_vec()); // k >= V: off
         assert_eq!(processed(k(100), &l, &[]), l.to_vec());
         // Fewer finite logits than k: nothing more is removed.
-        assert_eq!(
-            processed(k(3), &[1.0, NINF, 2.0, NINF], &[]),
-            vec![1.0, NINF, 2.0, NINF]
-        );
+        assert_eq!(processed(k(3), &[1.0, NINF, 2.0, NINF], &[]), vec![1.0, NINF, 2.0, NINF]);
     }
 
     #[test]
     fn top_p_smallest_nucleus() {
-        let p = |top_p| SamplingParams {
-            top_p,
-            ..sampling(1.0)
-        };
+        let p = |top_p| SamplingParams { top_p, ..sampling(1.0) };
         // softmax([1,2,3]) = [0.0900, 0.2447, 0.6652]
         let l = [1.0, 2.0, 3.0];
         assert_eq!(kept(&processed(p(0.6), &l, &[])), vec![2]);
@@ -779,10 +690,7 @@ mod tests {
     fn top_p_uses_distribution_after_top_k() {
         let l = [2.0, 1.0, 0.0, 0.0];
         // Alone: probs [0.610, 0.224, 0.083, 0.083] -> nucleus {0, 1} for 0.7.
-        let p = SamplingParams {
-            top_p: 0.7,
-            ..sampling(1.0)
-        };
+        let p = SamplingParams { top_p: 0.7, ..sampling(1.0) };
         assert_eq!(kept(&processed(p.clone(), &l, &[])), vec![0, 1]);
         // After top-k 2 the probs are [0.731, 0.269] -> only {0}.
         let p = SamplingParams { top_k: 2, ..p };
@@ -813,20 +721,10 @@ mod tests {
         for seed in [42, 43, 44] {
             let mut rng = Rng::new(seed);
             // Quantised logits so that many ties occur; a few -inf.
-            let l: Vec<f32> = (0..5000)
-                .map(|i| {
-                    if i % 97 == 0 {
-                        NINF
-                    } else {
-                        (rng.next_f32() * 800.0).round() / 100.0
-                    }
-                })
-                .collect();
+            let l: Vec<f32> =
+                (0..5000).map(|i| if i % 97 == 0 { NINF } else { (rng.next_f32() * 800.0).round() / 100.0 }).collect();
             for top_p in [0.001f32, 0.05, 0.3, 0.5, 0.77, 0.9, 0.99, 0.999] {
-                let p = SamplingParams {
-                    top_p,
-                    ..sampling(1.0)
-                };
+                let p = SamplingParams { top_p, ..sampling(1.0) };
                 let got = kept(&processed(p, &l, &[]));
                 assert_eq!(got, top_p_reference(&l, top_p as f64), "top_p {top_p}");
             }
@@ -836,14 +734,9 @@ mod tests {
     #[test]
     fn top_k_large_k_matches_count() {
         let mut rng = Rng::new(9);
-        let l: Vec<f32> = (0..20_000)
-            .map(|_| (rng.next_f32() * 300.0).round())
-            .collect();
+        let l: Vec<f32> = (0..20_000).map(|_| (rng.next_f32() * 300.0).round()).collect();
         for k in [1usize, 7, 4096, 4097, 12_345] {
-            let p = SamplingParams {
-                top_k: k,
-                ..sampling(1.0)
-            };
+            let p = SamplingParams { top_k: k, ..sampling(1.0) };
             let got = processed(p, &l, &[]);
             let mut sorted = l.clone();
             sorted.sort_by(|a, b| b.partial_cmp(a).unwrap());
@@ -856,35 +749,23 @@ mod tests {
 
     #[test]
     fn min_p_threshold_relative_to_top() {
-        let mp = |min_p| SamplingParams {
-            min_p,
-            ..sampling(1.0)
-        };
+        let mp = |min_p| SamplingParams { min_p, ..sampling(1.0) };
         let l: Vec<f32> = [0.1f32, 0.4, 0.2, 0.3].iter().map(|p| p.ln()).collect();
         // threshold 0.6 * 0.4 = 0.24
         assert_eq!(kept(&processed(mp(0.6), &l, &[])), vec![1, 3]);
         // threshold 0.2 * 0.4 = 0.08: all kept
         assert_eq!(kept(&processed(mp(0.2), &l, &[])), vec![0, 1, 2, 3]);
         // min_p = 1 keeps exactly the tokens tied with the maximum.
-        assert_eq!(
-            kept(&processed(mp(1.0), &[1.0, 3.0, 3.0, 2.9], &[])),
-            vec![1, 2]
-        );
+        assert_eq!(kept(&processed(mp(1.0), &[1.0, 3.0, 3.0, 2.9], &[])), vec![1, 2]);
         assert_eq!(kept(&processed(mp(0.0), &l, &[])), vec![0, 1, 2, 3]);
     }
 
     #[test]
     fn min_p_applies_after_temperature() {
         // ratio of probabilities e^-1 = 0.37 < 0.5 at T = 1; e^-0.5 = 0.61 >= 0.5 at T = 2.
-        let p = SamplingParams {
-            min_p: 0.5,
-            ..sampling(1.0)
-        };
+        let p = SamplingParams { min_p: 0.5, ..sampling(1.0) };
         assert_eq!(kept(&processed(p.clone(), &[0.0, -1.0], &[])), vec![0]);
-        let p = SamplingParams {
-            temperature: 2.0,
-            ..p
-        };
+        let p = SamplingParams { temperature: 2.0, ..p };
         assert_eq!(kept(&processed(p, &[0.0, -1.0], &[])), vec![0, 1]);
     }
 
@@ -904,29 +785,21 @@ mod tests {
                 for (i, (&g, &e)) in got.iter().zip(&c.expect).enumerate() {
                     let e = e as f32;
                     assert!(
-                        (g == f32::NEG_INFINITY && e == f32::NEG_INFINITY)
-                            || (g - e).abs() <= 1e-6 * e.abs().max(1.0),
+                        (g == f32::NEG_INFINITY && e == f32::NEG_INFINITY) || (g - e).abs() <= 1e-6 * e.abs().max(1.0),
                         "{params:?} logits {:?}: id {i} got {g}, expected {e}",
                         c.logits
                     );
                 }
             }
         };
-        let a = SamplingParams {
-            temperature: 0.8,
-            top_k: 10,
-            top_p: 0.9,
-            min_p: 0.1,
-            repeat_penalty: 1.3,
-            seed: 0,
-        };
+        let a = SamplingParams { temperature: 0.8, top_k: 10, top_p: 0.9, min_p: 0.1, repeat_penalty: 1.3, seed: 0 };
         check(
             a,
             &[
                 Case {
                     logits: [
-                        -1.41, -2.79, 1.21, -3.42, 0.29, -1.07, -3.54, 0.06, -3.7, -0.53, -3.44,
-                        -3.27, -0.6, 2.61, -3.01, -2.21,
+                        -1.41, -2.79, 1.21, -3.42, 0.29, -1.07, -3.54, 0.06, -3.7, -0.53, -3.44, -3.27, -0.6, 2.61,
+                        -3.01, -2.21,
                     ],
                     history: [1, 12, 1, 7, 1, 4],
                     expect: [
@@ -950,8 +823,8 @@ mod tests {
                 },
                 Case {
                     logits: [
-                        -1.68, -2.85, -3.06, -1.53, 2.53, -2.55, 0.65, 1.11, -1.02, 0.38, -3.5,
-                        -3.52, -2.35, 1.44, -0.58, -1.49,
+                        -1.68, -2.85, -3.06, -1.53, 2.53, -2.55, 0.65, 1.11, -1.02, 0.38, -3.5, -3.52, -2.35, 1.44,
+                        -0.58, -1.49,
                     ],
                     history: [14, 11, 9, 7, 5, 7],
                     expect: [
@@ -975,21 +848,14 @@ mod tests {
                 },
             ],
         );
-        let b = SamplingParams {
-            temperature: 1.5,
-            top_k: 12,
-            top_p: 0.95,
-            min_p: 0.05,
-            repeat_penalty: 0.8,
-            seed: 0,
-        };
+        let b = SamplingParams { temperature: 1.5, top_k: 12, top_p: 0.95, min_p: 0.05, repeat_penalty: 0.8, seed: 0 };
         check(
             b,
             &[
                 Case {
                     logits: [
-                        -0.38, 0.48, 3.39, -0.27, 0.06, 0.7, -2.52, 0.1, 1.04, 2.34, -3.25, -1.57,
-                        -3.27, 2.48, 1.55, -3.66,
+                        -0.38, 0.48, 3.39, -0.27, 0.06, 0.7, -2.52, 0.1, 1.04, 2.34, -3.25, -1.57, -3.27, 2.48, 1.55,
+                        -3.66,
                     ],
                     history: [12, 14, 5, 0, 2, 1],
                     expect: [
@@ -1013,8 +879,8 @@ mod tests {
                 },
                 Case {
                     logits: [
-                        -3.71, 3.04, 0.8, 2.22, -1.39, 0.73, -2.44, -2.13, -1.65, -3.96, -3.32,
-                        1.24, -0.75, 0.41, 3.45, -3.33,
+                        -3.71, 3.04, 0.8, 2.22, -1.39, 0.73, -2.44, -2.13, -1.65, -3.96, -3.32, 1.24, -0.75, 0.41,
+                        3.45, -3.33,
                     ],
                     history: [8, 10, 7, 9, 0, 2],
                     expect: [
@@ -1046,14 +912,8 @@ mod tests {
     fn greedy_ties_to_lowest_id() {
         let mut s = Sampler::new(SamplingParams::default());
         assert_eq!(s.sample(&[1.0, 3.0, 3.0, 2.0], &[]), 1);
-        assert_eq!(
-            s.probs(&[1.0, 3.0, 3.0, 2.0], &[]),
-            vec![0.0, 1.0, 0.0, 0.0]
-        );
-        let p = SamplingParams {
-            repeat_penalty: 1.5,
-            ..SamplingParams::default()
-        };
+        assert_eq!(s.probs(&[1.0, 3.0, 3.0, 2.0], &[]), vec![0.0, 1.0, 0.0, 0.0]);
+        let p = SamplingParams { repeat_penalty: 1.5, ..SamplingParams::default() };
         let mut s = Sampler::new(p);
         assert_eq!(s.sample(&[1.0, 3.0, 3.0, 2.0], &[3]), 1);
     }
@@ -1063,17 +923,8 @@ mod tests {
         let l = [f32::NAN, 1.0, f32::NAN, 0.5];
         for params in [
             SamplingParams::default(),
-            SamplingParams {
-                repeat_penalty: 1.2,
-                ..SamplingParams::default()
-            },
-            SamplingParams {
-                top_k: 2,
-                top_p: 0.9,
-                min_p: 0.1,
-                repeat_penalty: 1.2,
-                ..sampling(0.7)
-            },
+            SamplingParams { repeat_penalty: 1.2, ..SamplingParams::default() },
+            SamplingParams { top_k: 2, top_p: 0.9, min_p: 0.1, repeat_penalty: 1.2, ..sampling(0.7) },
         ] {
             let mut s = Sampler::new(params);
             for _ in 0..50 {
@@ -1102,35 +953,16 @@ mod tests {
         let hist = [5u32, 17, 17, 2999, 40];
         for params in [
             sampling(1.0),
-            SamplingParams {
-                top_k: 50,
-                ..sampling(0.9)
-            },
-            SamplingParams {
-                top_p: 0.8,
-                repeat_penalty: 1.3,
-                ..sampling(1.2)
-            },
-            SamplingParams {
-                min_p: 0.3,
-                ..sampling(0.5)
-            },
-            SamplingParams {
-                top_k: 200,
-                top_p: 0.9,
-                min_p: 0.05,
-                ..sampling(0.7)
-            },
+            SamplingParams { top_k: 50, ..sampling(0.9) },
+            SamplingParams { top_p: 0.8, repeat_penalty: 1.3, ..sampling(1.2) },
+            SamplingParams { min_p: 0.3, ..sampling(0.5) },
+            SamplingParams { top_k: 200, top_p: 0.9, min_p: 0.05, ..sampling(0.7) },
         ] {
             let mut a = Sampler::new(params.clone());
             let mut b = Sampler::new(params.clone());
             for _ in 0..200 {
                 let probs = b.probs(&logits, &hist);
-                assert_eq!(
-                    a.sample(&logits, &hist),
-                    b.sample_from(&probs),
-                    "{params:?}"
-                );
+                assert_eq!(a.sample(&logits, &hist), b.sample_from(&probs), "{params:?}");
             }
             let probs = b.probs(&logits, &hist);
             let s: f64 = probs.iter().map(|&p| p as f64).sum();
@@ -1146,10 +978,7 @@ mod tests {
         for _ in 0..3000 {
             counts[s.sample_from(&w) as usize] += 1;
         }
-        assert_eq!(
-            counts[0] + counts[2] + counts[3] + counts[5] + counts[6] + counts[7],
-            0
-        );
+        assert_eq!(counts[0] + counts[2] + counts[3] + counts[5] + counts[6] + counts[7], 0);
         assert!(counts[1] > 800 && counts[4] > 1700, "{counts:?}");
         assert_eq!(s.sample_from(&[0.0, 0.0]), 0);
         assert_eq!(s.sample_from(&[0.0, 0.0, 3.0]), 2);
@@ -1172,18 +1001,11 @@ mod tests {
             expected[i] = e[i] / zn;
         }
 
-        let params = SamplingParams {
-            top_p: 0.9,
-            seed: 1234,
-            ..sampling(0.7)
-        };
+        let params = SamplingParams { top_p: 0.9, seed: 1234, ..sampling(0.7) };
         let mut s = Sampler::new(params);
         let probs = s.probs(&logits, &[]);
         for i in 0..8 {
-            assert!(
-                (probs[i] as f64 - expected[i]).abs() < 1e-6,
-                "{probs:?} vs {expected:?}"
-            );
+            assert!((probs[i] as f64 - expected[i]).abs() < 1e-6, "{probs:?} vs {expected:?}");
         }
         let n = 20_000;
         let mut counts = [0usize; 8];
@@ -1212,15 +1034,7 @@ mod tests {
     fn rng_reference_vectors() {
         // splitmix64(0) = e220a8397b1dcdaf 6e789e6aa1b965f4 06c45d188009454f f88bb8a8724c81ec
         let r = Rng::new(0);
-        assert_eq!(
-            r.s,
-            [
-                0xe220a8397b1dcdaf,
-                0x6e789e6aa1b965f4,
-                0x06c45d188009454f,
-                0xf88bb8a8724c81ec
-            ]
-        );
+        assert_eq!(r.s, [0xe220a8397b1dcdaf, 0x6e789e6aa1b965f4, 0x06c45d188009454f, 0xf88bb8a8724c81ec]);
         let mut r = Rng::new(0);
         assert_eq!(r.next_u64(), 0x53175d61490b23df);
         assert_eq!(r.next_u64(), 0x61da6f3dc380d507);
@@ -1228,10 +1042,7 @@ mod tests {
         // xoshiro256++ from the state [1, 2, 3, 4].
         let mut r = Rng { s: [1, 2, 3, 4] };
         let out: Vec<u64> = (0..4).map(|_| r.next_u64()).collect();
-        assert_eq!(
-            out,
-            vec![0x2800001, 0x3800067, 0xcc00003800067, 0xcc201994400b2]
-        );
+        assert_eq!(out, vec![0x2800001, 0x3800067, 0xcc00003800067, 0xcc201994400b2]);
     }
 
     #[test]
@@ -1260,13 +1071,8 @@ mod tests {
         // Sampler streams: same seed, same tokens; different seed, different tokens.
         let logits: Vec<f32> = (0..64).map(|i| ((i * 37) % 64) as f32 / 16.0).collect();
         let draw = |seed| {
-            let mut s = Sampler::new(SamplingParams {
-                seed,
-                ..sampling(1.0)
-            });
-            (0..200)
-                .map(|_| s.sample(&logits, &[]))
-                .collect::<Vec<u32>>()
+            let mut s = Sampler::new(SamplingParams { seed, ..sampling(1.0) });
+            (0..200).map(|_| s.sample(&logits, &[])).collect::<Vec<u32>>()
         };
         assert_eq!(draw(5), draw(5));
         assert_ne!(draw(5), draw(6));
@@ -1278,14 +1084,7 @@ mod tests {
     fn validate_names_the_parameter() {
         assert!(SamplingParams::default().validate().is_ok());
         assert!(SamplingParams::default().is_greedy());
-        let ok = SamplingParams {
-            temperature: 1.0,
-            top_k: 40,
-            top_p: 1.0,
-            min_p: 1.0,
-            repeat_penalty: 0.5,
-            seed: 1,
-        };
+        let ok = SamplingParams { temperature: 1.0, top_k: 40, top_p: 1.0, min_p: 1.0, repeat_penalty: 0.5, seed: 1 };
         assert!(ok.validate().is_ok());
         assert!(!ok.is_greedy());
         let bad = |p: SamplingParams, name: &str| {
@@ -1295,13 +1094,7 @@ mod tests {
         };
         let d = SamplingParams::default;
         for t in [-0.1, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-40, 9e-5] {
-            bad(
-                SamplingParams {
-                    temperature: t,
-                    ..d()
-                },
-                "temperature",
-            );
+            bad(SamplingParams { temperature: t, ..d() }, "temperature");
         }
         for p in [0.0, -0.5, 1.01, f32::NAN] {
             bad(SamplingParams { top_p: p, ..d() }, "top_p");
@@ -1310,22 +1103,10 @@ mod tests {
             bad(SamplingParams { min_p: p, ..d() }, "min_p");
         }
         for p in [0.0, -1.0, f32::INFINITY, f32::NAN] {
-            bad(
-                SamplingParams {
-                    repeat_penalty: p,
-                    ..d()
-                },
-                "repeat_penalty",
-            );
+            bad(SamplingParams { repeat_penalty: p, ..d() }, "repeat_penalty");
         }
-        let msg = SamplingParams { top_p: 0.0, ..d() }
-            .validate()
-            .unwrap_err()
-            .to_string();
-        assert_eq!(
-            msg,
-            "invalid sampling parameter top_p = 0.0: must be in (0, 1] (1 = off)"
-        );
+        let msg = SamplingParams { top_p: 0.0, ..d() }.validate().unwrap_err().to_string();
+        assert_eq!(msg, "invalid sampling parameter top_p = 0.0: must be in (0, 1] (1 = off)");
     }
 
     // ---- log_softmax / top_n ------------------------------------------------------------------
@@ -1341,9 +1122,7 @@ mod tests {
         let big = log_softmax(&[1000.0, 1000.0, -1000.0]);
         assert!((big[0] + std::f32::consts::LN_2).abs() < 1e-6);
         assert_eq!(big[0], big[1]);
-        let v: Vec<f32> = (0..262_144)
-            .map(|i| ((i * 7919) % 1000) as f32 / 50.0)
-            .collect();
+        let v: Vec<f32> = (0..262_144).map(|i| ((i * 7919) % 1000) as f32 / 50.0).collect();
         let s: f64 = log_softmax(&v).iter().map(|&x| (x as f64).exp()).sum();
         assert!((s - 1.0).abs() < 1e-4, "{s}");
         assert_eq!(log_softmax(&[NINF, NINF]), vec![NINF, NINF]);
@@ -1363,12 +1142,7 @@ mod tests {
                                  // Large input: matches a full sort.
         let big: Vec<f32> = (0..10_000).map(|i| ((i * 7919) % 1013) as f32).collect();
         let mut idx: Vec<u32> = (0..big.len() as u32).collect();
-        idx.sort_by(|&a, &b| {
-            big[b as usize]
-                .partial_cmp(&big[a as usize])
-                .unwrap()
-                .then(a.cmp(&b))
-        });
+        idx.sort_by(|&a, &b| big[b as usize].partial_cmp(&big[a as usize]).unwrap().then(a.cmp(&b)));
         let want: Vec<(u32, f32)> = idx[..20].iter().map(|&i| (i, big[i as usize])).collect();
         assert_eq!(top_n(&big, 20), want);
     }

@@ -77,7 +77,13 @@ impl Sequence {
     /// A sequence for `prompt` on `model`. With `draft`, the most tokens its policy may draft per round,
     /// it keeps drafting statistics (`trace`: every round too); rounds draft when [`Sequence::plan`] gets
     /// the policy.
-    pub fn new(model: &TargetModel, prompt: &[u32], opts: &GenerateOptions, draft: Option<&DraftPolicy>, trace: bool) -> Result<Sequence> {
+    pub fn new(
+        model: &TargetModel,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        draft: Option<&DraftPolicy>,
+        trace: bool,
+    ) -> Result<Sequence> {
         validate_prompt(model, prompt, opts.context_limit)?;
         opts.sampling.validate()?;
         let spec = draft.map(|p| SpecStats {
@@ -201,7 +207,8 @@ impl Sequence {
         self.gen.logprobs.truncate(self.gen.tokens.len());
         if let Some(t) = self.t_decode {
             if self.gen.tokens.len() > 1 {
-                self.gen.stats.decode_tokens_per_s = (self.gen.tokens.len() - 1) as f64 / t.elapsed().as_secs_f64().max(1e-9);
+                self.gen.stats.decode_tokens_per_s =
+                    (self.gen.tokens.len() - 1) as f64 / t.elapsed().as_secs_f64().max(1e-9);
             }
         }
         if let Some(spec) = self.spec.as_mut() {
@@ -285,7 +292,13 @@ impl Sequence {
     /// Take the round's forward: accept the longest prefix of drafts the target agrees with (greedy) or
     /// accepts (sampling: min(1, p/q), a rejection resampled from max(p − q, 0)), add the target's own
     /// next token, roll the cache back over the rejected rows.
-    pub fn absorb_verify(&mut self, cache: &mut KvCache, out: &Forward, verify_s: f64, policy: Option<&mut DraftPolicy>) -> Result<()> {
+    pub fn absorb_verify(
+        &mut self,
+        cache: &mut KvCache,
+        out: &Forward,
+        verify_s: f64,
+        policy: Option<&mut DraftPolicy>,
+    ) -> Result<()> {
         let k = self.k;
         let n_committed = self.history.len() - k;
         self.history.truncate(n_committed);

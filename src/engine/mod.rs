@@ -166,7 +166,14 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_active: 64, prefill_rows: PREFILL_CHUNK, prefill_rows_busy: 32, kv_bytes: 8 << 30, pool: 4, step_delay: None }
+        Limits {
+            max_active: 64,
+            prefill_rows: PREFILL_CHUNK,
+            prefill_rows_busy: 32,
+            kv_bytes: 8 << 30,
+            pool: 4,
+            step_delay: None,
+        }
     }
 }
 
@@ -185,14 +192,18 @@ impl Models {
     /// The prompt's token ids (text through the tokenizer, chat through the template), checked against
     /// the model's vocabulary.
     pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        let tokenizer = || self.tokenizer.as_ref().ok_or_else(|| anyhow!("text prompts need a tokenizer; use token ids"));
+        let tokenizer =
+            || self.tokenizer.as_ref().ok_or_else(|| anyhow!("text prompts need a tokenizer; use token ids"));
         let ids = match prompt {
             Prompt::Ids(ids) => return Ok(ids.clone()),
             Prompt::Text(text) => tokenizer()?.encode(text, true)?,
             Prompt::Chat { messages, thinking } => {
                 let tok = tokenizer()?;
                 let template = self.template.as_ref().ok_or_else(|| {
-                    anyhow!("{} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json)", tok.dir().display())
+                    anyhow!(
+                        "{} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json)",
+                        tok.dir().display()
+                    )
                 })?;
                 let mut opts = RenderOptions { add_generation_prompt: true, ..RenderOptions::default() };
                 if *thinking {
@@ -205,7 +216,12 @@ impl Models {
         let vocab = self.target.cfg.vocab_size;
         if let (Some(&id), Some(tok)) = (ids.iter().find(|&&t| t as usize >= vocab), self.tokenizer.as_ref()) {
             let text = tok.id_to_token(id).unwrap_or_default();
-            let named = tok.special_tokens().iter().find(|(_, v)| *v == text).map(|(k, _)| format!(" (the tokenizer's {k})")).unwrap_or_default();
+            let named = tok
+                .special_tokens()
+                .iter()
+                .find(|(_, v)| *v == text)
+                .map(|(k, _)| format!(" (the tokenizer's {k})"))
+                .unwrap_or_default();
             bail!("the prompt contains token {text:?}{named}, id {id}, which is beyond the model's vocabulary of {vocab} tokens");
         }
         Ok(ids)
@@ -305,7 +321,15 @@ pub struct Scheduler<'m> {
 
 impl<'m> Scheduler<'m> {
     pub fn new(models: &'m Models, limits: Limits) -> Scheduler<'m> {
-        Scheduler { models, limits, waiting: VecDeque::new(), active: Vec::new(), pool: Vec::new(), costs: plan::Costs::default(), shared_auto: DraftLength::Auto.into() }
+        Scheduler {
+            models,
+            limits,
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+            pool: Vec::new(),
+            costs: plan::Costs::default(),
+            shared_auto: DraftLength::Auto.into(),
+        }
     }
 
     /// Check and queue a request.
@@ -360,7 +384,9 @@ impl<'m> Scheduler<'m> {
             }
             let reserved = self.models.kv_bytes(w.prepared.seq.reserved_positions());
             let running: usize = self.active.iter().map(|a| a.reserved).sum();
-            while running + reserved + self.pool.iter().map(|p| p.1).sum::<usize>() > self.limits.kv_bytes && !self.pool.is_empty() {
+            while running + reserved + self.pool.iter().map(|p| p.1).sum::<usize>() > self.limits.kv_bytes
+                && !self.pool.is_empty()
+            {
                 self.pool.remove(0);
             }
             if running + reserved > self.limits.kv_bytes {
@@ -580,7 +606,11 @@ impl<'m> Scheduler<'m> {
         let mut base_rows: usize = plan.iter().flatten().map(|p| p.0.len()).sum();
         let mut base_tokens = 0.0;
         let mut fixed_depth: Vec<usize> = Vec::new();
-        for a in self.active.iter().filter(|a| a.seq.phase() == Phase::Ready && a.policy.as_ref().is_none_or(|p| p.auto().is_none())) {
+        for a in self
+            .active
+            .iter()
+            .filter(|a| a.seq.phase() == Phase::Ready && a.policy.as_ref().is_none_or(|p| p.auto().is_none()))
+        {
             let k = a.seq.drafts_wanted();
             base_rows += 1 + k;
             base_tokens += 1.0;
@@ -647,7 +677,13 @@ impl<'m> Scheduler<'m> {
     }
 }
 
-fn done(seq: Sequence, prompt_ids: Vec<u32>, stream: Option<&TextStream<'_>>, draft: Option<DraftPolicy>, cancelled: bool) -> Event {
+fn done(
+    seq: Sequence,
+    prompt_ids: Vec<u32>,
+    stream: Option<&TextStream<'_>>,
+    draft: Option<DraftPolicy>,
+    cancelled: bool,
+) -> Event {
     let (generation, spec) = seq.into_results();
     Event::Done(Box::new(Outcome {
         prompt_ids,

@@ -92,7 +92,13 @@ fn expected(rates: &[f64], k: usize) -> f64 {
 /// The k of every candidate, given the rest of the step: `base_rows` (prefill chunks and the rows of
 /// sequences whose k is fixed), `base_tokens` (what those sequences yield), and `fixed_depth[j]`, the
 /// number of fixed sequences drafting at depth j. `None` until the costs this needs have been measured.
-pub fn choose(costs: &Costs, base_rows: usize, base_tokens: f64, fixed_depth: &[usize], cands: &[Candidate]) -> Option<Vec<usize>> {
+pub fn choose(
+    costs: &Costs,
+    base_rows: usize,
+    base_tokens: f64,
+    fixed_depth: &[usize],
+    cands: &[Candidate],
+) -> Option<Vec<usize>> {
     costs.forward(1)?;
     costs.draft(1)?;
     let mut ks: Vec<usize> = cands.iter().map(|c| usize::from(c.probe && c.k_max > 0)).collect();

@@ -4,8 +4,8 @@
 //! masked 16-bit loads, so a K tail shorter than a vector is copied into a zeroed stack buffer
 //! first; f32 tails use `vmaskmovps` (masked-off lanes never fault).
 
-use super::x86::{drive, Prefetch};
 use super::tiling::{pack_panels, Plan, Tile};
+use super::x86::{drive, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -102,8 +102,14 @@ unsafe fn pack_bf16_eo(src: &[f32], dst: &mut [f32]) {
     // shuffle gives [a0 a2 b0 b2 | a4 a6 b4 b6]; the 64-bit permute puts the a's first.
     let even = _mm256_shuffle_ps::<0b10_00_10_00>(a, b);
     let odd = _mm256_shuffle_ps::<0b11_01_11_01>(a, b);
-    _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(even))));
-    _mm256_storeu_ps(dst.as_mut_ptr().add(8), _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(odd))));
+    _mm256_storeu_ps(
+        dst.as_mut_ptr(),
+        _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(even))),
+    );
+    _mm256_storeu_ps(
+        dst.as_mut_ptr().add(8),
+        _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(odd))),
+    );
 }
 
 /// Sums of `a, b, c, d` in the four lanes; each vector goes through the same fixed tree.
@@ -172,7 +178,13 @@ unsafe fn tail_copy(src: *const u8, bytes: usize) -> [u8; 32] {
 /// AVX2 + FMA; `x` is a panel of `C` rows covering `t.k1` (rounded up to 16), `w` has `R` rows of
 /// `ws` bytes with at least `t.k1` bf16 each.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_bf16<const R: usize, const C: usize>(x: *const f32, w: *const u8, ws: usize, t: &Tile, acc: &mut Acc) -> [[f32; 4]; C] {
+unsafe fn tile_bf16<const R: usize, const C: usize>(
+    x: *const f32,
+    w: *const u8,
+    ws: usize,
+    t: &Tile,
+    acc: &mut Acc,
+) -> [[f32; 4]; C] {
     let mut a = acc_load::<R, C>(t, acc);
     let hi = _mm256_set1_epi32(0xffff_0000u32 as i32);
     let mut pf = Prefetch::new(t);
@@ -358,7 +370,10 @@ unsafe fn rms_norm_impl(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32])
 fn exp(x: __m256) -> __m256 {
     // max/min return their second operand when one is NaN, so NaN passes through the clamp.
     let x = _mm256_min_ps(_mm256_set1_ps(89.0), _mm256_max_ps(_mm256_set1_ps(-104.0), x));
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
     let mut p = _mm256_set1_ps(1.987_569_1e-4);
@@ -437,7 +452,8 @@ pub fn gelu_tanh(x: &mut [f32]) {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gelu_impl(x: &mut [f32]) {
     let (n, p) = (x.len(), x.as_mut_ptr());
-    let (c, a, m2, one) = (_mm256_set1_ps(0.797_884_6), _mm256_set1_ps(0.044715), _mm256_set1_ps(-2.0), _mm256_set1_ps(1.0));
+    let (c, a, m2, one) =
+        (_mm256_set1_ps(0.797_884_6), _mm256_set1_ps(0.044715), _mm256_set1_ps(-2.0), _mm256_set1_ps(1.0));
     let mut i = 0;
     while i < n {
         let mask = tail_mask(n - i);
@@ -510,7 +526,8 @@ pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, cols: Range<usize>, out: &m
     }
     for i in 0..m {
         for j in full..cols.end {
-            out[i * w + j - cols.start] = (0..n).fold(0f32, |acc, t| p[i * n + t].mul_add(v.dtype.load(v.data, t * d + j), acc));
+            out[i * w + j - cols.start] =
+                (0..n).fold(0f32, |acc, t| p[i * n + t].mul_add(v.dtype.load(v.data, t * d + j), acc));
         }
     }
 }
@@ -522,7 +539,15 @@ pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, cols: Range<usize>, out: &m
 /// `i0..i0 + MB` inside `m`; columns `c..c + 16` lie inside `cols`, which lies inside `0..v.cols`;
 /// `keys` are rows of `v`, whose dtype is bf16 or f32 and whose `data` holds `v.rows * v.cols` elements.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn weighted_block<const MB: usize>(p: &[f32], i0: usize, c: usize, keys: Range<usize>, cols: &Range<usize>, v: MatRef, out: &mut [f32]) {
+unsafe fn weighted_block<const MB: usize>(
+    p: &[f32],
+    i0: usize,
+    c: usize,
+    keys: Range<usize>,
+    cols: &Range<usize>,
+    v: MatRef,
+    out: &mut [f32],
+) {
     let (n, d, w) = (v.rows, v.cols, cols.len());
     let po = out.as_mut_ptr().add(c - cols.start);
     let mut acc = [[_mm256_setzero_ps(); 2]; MB];

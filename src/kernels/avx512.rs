@@ -7,8 +7,8 @@
 //! and never fault), so any `cols` works and nothing past a row is read. Weight rows may be only
 //! 2-byte aligned: every load is unaligned.
 
-use super::x86::{drive, Prefetch};
 use super::tiling::{pack_panels, Plan, Tile, L1_BUDGET};
+use super::x86::{drive, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -100,7 +100,8 @@ unsafe fn pack_bf16_eo(src: &[f32], dst: &mut [f32]) {
     let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     let (n, p) = (src.len(), src.as_ptr());
     let lo = round_bf16(_mm512_maskz_loadu_ps(tail_mask16(n), p));
-    let hi = if n > 16 { round_bf16(_mm512_maskz_loadu_ps(tail_mask16(n - 16), p.add(16))) } else { _mm512_setzero_ps() };
+    let hi =
+        if n > 16 { round_bf16(_mm512_maskz_loadu_ps(tail_mask16(n - 16), p.add(16))) } else { _mm512_setzero_ps() };
     _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_permutex2var_ps(lo, even, hi));
     _mm512_storeu_ps(dst.as_mut_ptr().add(16), _mm512_permutex2var_ps(lo, odd, hi));
 }
@@ -108,7 +109,11 @@ unsafe fn pack_bf16_eo(src: &[f32], dst: &mut [f32]) {
 /// Mask of the first `min(n, 16)` lanes.
 #[inline(always)]
 fn tail_mask16(n: usize) -> u16 {
-    if n >= 16 { !0 } else { (1u16 << n) - 1 }
+    if n >= 16 {
+        !0
+    } else {
+        (1u16 << n) - 1
+    }
 }
 
 /// `x` rounded to the nearest bf16 (ties to even, NaN kept quiet), still as f32 bits: the vector
@@ -180,7 +185,11 @@ pub(super) fn acc_load<const R: usize, const C: usize>(t: &Tile, acc: &Acc) -> [
 /// End a tile call: the reduced sums after the last K chunk, else park the accumulators.
 #[inline]
 #[target_feature(enable = "avx512f")]
-pub(super) fn acc_finish<const R: usize, const C: usize>(t: &Tile, a: &[[__m512; C]; R], acc: &mut Acc) -> [[f32; 4]; C] {
+pub(super) fn acc_finish<const R: usize, const C: usize>(
+    t: &Tile,
+    a: &[[__m512; C]; R],
+    acc: &mut Acc,
+) -> [[f32; 4]; C] {
     if t.last {
         return reduce_tile(a);
     }
@@ -197,7 +206,13 @@ pub(super) fn acc_finish<const R: usize, const C: usize>(t: &Tile, a: &[[__m512;
 /// AVX-512 F/BW/VL + FMA; `x` is a panel of `C` rows covering `t.k1` (rounded up to 32), `w` has `R`
 /// rows of `ws` bytes with at least `t.k1` bf16 each.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn tile_bf16<const R: usize, const C: usize>(x: *const f32, w: *const u8, ws: usize, t: &Tile, acc: &mut Acc) -> [[f32; 4]; C] {
+unsafe fn tile_bf16<const R: usize, const C: usize>(
+    x: *const f32,
+    w: *const u8,
+    ws: usize,
+    t: &Tile,
+    acc: &mut Acc,
+) -> [[f32; 4]; C] {
     let mut a = acc_load::<R, C>(t, acc);
     let hi = _mm512_set1_epi32(0xffff_0000u32 as i32);
     let mut pf = Prefetch::new(t);
@@ -323,7 +338,8 @@ unsafe fn dot_impl(a: &[f32], b: &[f32]) -> f32 {
     }
     while i < n {
         let mask = tail_mask16(n - i);
-        acc[0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, pa.add(i)), _mm512_maskz_loadu_ps(mask, pb.add(i)), acc[0]);
+        acc[0] =
+            _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, pa.add(i)), _mm512_maskz_loadu_ps(mask, pb.add(i)), acc[0]);
         i += 16;
     }
     let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
@@ -386,7 +402,10 @@ unsafe fn rms_norm_impl(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32])
 fn exp(x: __m512) -> __m512 {
     // max/min return their second operand when one is NaN, so NaN passes through the clamp.
     let x = _mm512_min_ps(_mm512_set1_ps(89.0), _mm512_max_ps(_mm512_set1_ps(-104.0), x));
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        x,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+    ));
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
     let mut p = _mm512_set1_ps(1.987_569_1e-4);
@@ -453,7 +472,8 @@ pub fn gelu_tanh(x: &mut [f32]) {
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn gelu_impl(x: &mut [f32]) {
     let (n, p) = (x.len(), x.as_mut_ptr());
-    let (c, a, m2, one) = (_mm512_set1_ps(0.797_884_6), _mm512_set1_ps(0.044715), _mm512_set1_ps(-2.0), _mm512_set1_ps(1.0));
+    let (c, a, m2, one) =
+        (_mm512_set1_ps(0.797_884_6), _mm512_set1_ps(0.044715), _mm512_set1_ps(-2.0), _mm512_set1_ps(1.0));
     let mut i = 0;
     while i < n {
         let mask = tail_mask16(n - i);
@@ -529,14 +549,8 @@ unsafe fn softcap_impl(x: &mut [f32], cap: f32, bf16: bool) {
     let (c, one, two) = (_mm512_set1_ps(cap), _mm512_set1_ps(1.0), _mm512_set1_ps(2.0));
     let r = |v: __m512| if bf16 { round_bf16(v) } else { v };
     // tanh y = y·(1 + y²·(c3 + y²·(c5 + ...))), Horner in y².
-    const SERIES: [f32; 6] = [
-        21844.0 / 6081075.0,
-        -1382.0 / 155925.0,
-        62.0 / 2835.0,
-        -17.0 / 315.0,
-        2.0 / 15.0,
-        -1.0 / 3.0,
-    ];
+    const SERIES: [f32; 6] =
+        [21844.0 / 6081075.0, -1382.0 / 155925.0, 62.0 / 2835.0, -17.0 / 315.0, 2.0 / 15.0, -1.0 / 3.0];
     let mut i = 0;
     while i < n {
         let mask = tail_mask16(n - i);

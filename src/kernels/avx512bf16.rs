@@ -8,8 +8,8 @@
 //! small (< 1.2e-38) do not occur in practice, and the tests' tolerance covers the difference.
 
 use super::avx512::{acc_finish, acc_load, acc_storage, plan, round_bf16_bits, shapes, Acc};
-use super::x86::{drive, Prefetch};
 use super::tiling::{pack_panels, Tile};
+use super::x86::{drive, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 
@@ -46,7 +46,13 @@ unsafe fn pack_bf16(src: &[f32], dst: &mut [u16]) {
 /// AVX-512 F/BW/VL + BF16; `x` is a panel of `C` rows covering `t.k1` (rounded up to 32), `w` has
 /// `R` rows of `ws` bytes with at least `t.k1` bf16 each.
 #[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
-unsafe fn tile<const R: usize, const C: usize>(x: *const u16, w: *const u8, ws: usize, t: &Tile, acc: &mut Acc) -> [[f32; 4]; C] {
+unsafe fn tile<const R: usize, const C: usize>(
+    x: *const u16,
+    w: *const u8,
+    ws: usize,
+    t: &Tile,
+    acc: &mut Acc,
+) -> [[f32; 4]; C] {
     let mut a = acc_load::<R, C>(t, acc);
     let mut pf = Prefetch::new(t);
     let mut kk = t.k0;

@@ -22,12 +22,12 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
+#[cfg(test)]
+mod tests;
 #[cfg(target_arch = "x86_64")]
 mod tiling;
 #[cfg(target_arch = "x86_64")]
 mod x86;
-#[cfg(test)]
-mod tests;
 
 use half::{bf16, f16};
 use std::sync::OnceLock;
@@ -109,7 +109,12 @@ impl<'a> MatRef<'a> {
     pub fn slice_rows(&self, start: usize, n: usize) -> MatRef<'a> {
         assert!(start + n <= self.rows);
         let row_bytes = self.cols * self.dtype.size();
-        MatRef { dtype: self.dtype, rows: n, cols: self.cols, data: &self.data[start * row_bytes..(start + n) * row_bytes] }
+        MatRef {
+            dtype: self.dtype,
+            rows: n,
+            cols: self.cols,
+            data: &self.data[start * row_bytes..(start + n) * row_bytes],
+        }
     }
 
     /// Row `r` widened to f32.
@@ -209,7 +214,9 @@ pub fn check_isa_env() -> Result<(), String> {
     let names: Vec<&str> = Isa::ALL.iter().map(|i| i.name()).collect();
     match Isa::parse(&v) {
         None => Err(format!("TANDEM_ISA={v:?} is not an instruction set tandem knows ({})", names.join(", "))),
-        Some(w) if w > Isa::detected() => Err(format!("TANDEM_ISA={v}: this CPU cannot run it (the best it runs is {})", Isa::detected())),
+        Some(w) if w > Isa::detected() => {
+            Err(format!("TANDEM_ISA={v}: this CPU cannot run it (the best it runs is {})", Isa::detected()))
+        }
         Some(_) => Ok(()),
     }
 }

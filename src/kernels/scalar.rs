@@ -2,8 +2,8 @@
 
 use std::ops::Range;
 
-use super::MatRef;
 use super::DType;
+use super::MatRef;
 
 pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);

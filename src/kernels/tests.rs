@@ -179,9 +179,14 @@ fn matmul_is_bit_exact_across_threads_and_batch() {
     let pool1 = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     let pool3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
     for isa in simd_isas() {
-        for (dtype, rows, cols) in
-            [(DType::BF16, 203, 77), (DType::F16, 203, 77), (DType::F32, 203, 77), (DType::BF16, 31, 3001), (DType::F32, 31, 3001), (DType::BF16, 800, 2600)]
-        {
+        for (dtype, rows, cols) in [
+            (DType::BF16, 203, 77),
+            (DType::F16, 203, 77),
+            (DType::F32, 203, 77),
+            (DType::BF16, 31, 3001),
+            (DType::F32, 31, 3001),
+            (DType::BF16, 800, 2600),
+        ] {
             let w = Weights::random(&mut rng, dtype, rows, cols);
             for m in [1, 5, 8, 16] {
                 let x = rng.vec(m * cols, 1.0);
@@ -195,13 +200,19 @@ fn matmul_is_bit_exact_across_threads_and_batch() {
                 let three = pool3.install(|| run(Split::Rows(8)));
                 let odd = pool3.install(|| run(Split::Rows(13)));
                 for (name, other) in [("1 thread", &one), ("3 threads", &three), ("chunks of 13", &odd)] {
-                    assert!(inline.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa} {dtype:?} m={m}: {name}");
+                    assert!(
+                        inline.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa} {dtype:?} m={m}: {name}"
+                    );
                 }
                 for i in 0..m {
                     let mut single = vec![0f32; rows];
                     matmul_with(isa, &x[i * cols..(i + 1) * cols], 1, w.mat(), &mut single);
                     let row = &inline[i * rows..(i + 1) * rows];
-                    assert!(row.iter().zip(&single).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa} {dtype:?} m={m} row {i}: batch variance");
+                    assert!(
+                        row.iter().zip(&single).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa} {dtype:?} m={m} row {i}: batch variance"
+                    );
                 }
             }
         }
@@ -380,13 +391,20 @@ fn weighted_rows_match_scalar_and_do_not_depend_on_the_batch() {
                     for i in 0..m {
                         let mut row = vec![0f32; d];
                         for j in 0..d {
-                            let s: f32 = (0..n).map(|t| (p[i * n + t] * dtype.load(v.mat().data, t * d + j)).abs()).sum();
+                            let s: f32 =
+                                (0..n).map(|t| (p[i * n + t] * dtype.load(v.mat().data, t * d + j)).abs()).sum();
                             let (g, w) = (got[i * d + j], want[i * d + j]);
-                            assert!((g - w).abs() <= 1e-6 * (n as f32 + 1.0) * s, "{isa} {dtype:?} n={n} d={d} m={m} [{i},{j}]: {g} vs {w}");
+                            assert!(
+                                (g - w).abs() <= 1e-6 * (n as f32 + 1.0) * s,
+                                "{isa} {dtype:?} n={n} d={d} m={m} [{i},{j}]: {g} vs {w}"
+                            );
                         }
                         // The same row alone: the same bits.
                         weighted_rows_with(isa, &p[i * n..(i + 1) * n], 1, v.mat(), &mut row);
-                        assert!(row.iter().zip(&got[i * d..(i + 1) * d]).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa} {dtype:?} m={m} row {i}");
+                        assert!(
+                            row.iter().zip(&got[i * d..(i + 1) * d]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{isa} {dtype:?} m={m} row {i}"
+                        );
                     }
                 }
             }
@@ -409,7 +427,13 @@ fn exp_shifted_matches_scalar() {
             exp_shifted_with(isa, &x, 5.0, &mut got);
             scalar::exp_shifted(&x, 5.0, &mut want);
             for i in 0..n {
-                assert!((got[i] - want[i]).abs() <= 4e-7 * want[i] + 1e-38, "{isa} n={n} x={}: {} vs {}", x[i], got[i], want[i]);
+                assert!(
+                    (got[i] - want[i]).abs() <= 4e-7 * want[i] + 1e-38,
+                    "{isa} n={n} x={}: {} vs {}",
+                    x[i],
+                    got[i],
+                    want[i]
+                );
             }
             if n > 3 {
                 assert_eq!(got[1], 0.0, "{isa}: exp(-inf)");

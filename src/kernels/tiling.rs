@@ -96,7 +96,14 @@ impl<T> Panels<T> {
 /// The panels are 64-byte aligned (with 64-byte steps, every vector load then stays within one
 /// cache line): a load split over two lines costs twice, and with 8 x rows per tile that alone made
 /// the kernel load-bound, depending on where `malloc` happened to put the buffer.
-pub(crate) fn pack_panels<T: Copy + Default>(x: &[f32], m: usize, k: usize, step: usize, group: usize, mut convert: impl FnMut(&[f32], &mut [T])) -> Panels<T> {
+pub(crate) fn pack_panels<T: Copy + Default>(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    step: usize,
+    group: usize,
+    mut convert: impl FnMut(&[f32], &mut [T]),
+) -> Panels<T> {
     let (step, group) = (step.max(1), group.max(1));
     let kp = k.div_ceil(step) * step;
     let len = m * kp;
@@ -165,15 +172,16 @@ impl Plan {
         // chunks streaming through, and sweep all the tiles per chunk. On Zen 5 with K = 6144 that
         // takes m = 5..12 from 1.5-2x the time of m = 1 to 1.1-1.5x.
         let kc_x = K_OUTER_L1_BYTES / (group * x_bytes + 2 * rows * w_bytes);
-        let (kc, k_outer) = if single && x_panel > L1_BUDGET && rows >= 2 && group * x_bytes >= rows * w_bytes && kp > kc_x {
-            (kc_x, true)
-        } else if single {
-            (kp, false)
-        } else {
-            // Several groups share each tile: its chunk, plus the x chunks of the group at work
-            // and the next, should fit.
-            (L1_BUDGET / (2 * group * x_bytes + rows * w_bytes), false)
-        };
+        let (kc, k_outer) =
+            if single && x_panel > L1_BUDGET && rows >= 2 && group * x_bytes >= rows * w_bytes && kp > kc_x {
+                (kc_x, true)
+            } else if single {
+                (kp, false)
+            } else {
+                // Several groups share each tile: its chunk, plus the x chunks of the group at work
+                // and the next, should fit.
+                (L1_BUDGET / (2 * group * x_bytes + rows * w_bytes), false)
+            };
         let kc = (kc / step).max(1) * step;
         Plan { rows, group, block: block.max(group), kc, step, k_outer }
     }
@@ -264,7 +272,13 @@ pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnM
             let all = &w.data[j * row_bytes..(j + rows) * row_bytes];
             let share = all.len().div_ceil(64).div_ceil(parts) * 64;
             let span = &all[(p * share).min(all.len())..((p + 1) * share).min(all.len())];
-            return Pf { span, piece: span.len(), stride: 0, rows: 1, per: span.len().div_ceil(64).div_ceil(steps.max(1)) };
+            return Pf {
+                span,
+                piece: span.len(),
+                stride: 0,
+                rows: 1,
+                per: span.len().div_ceil(64).div_ceil(steps.max(1)),
+            };
         }
         // A chunk of `rows` rows (k-outer order has one call per tile and chunk: no split).
         let span = &w.data[j * row_bytes + k0 * size..(j + rows - 1) * row_bytes + k1 * size];
@@ -280,7 +294,8 @@ pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnM
                 let (mut j, mut slot) = (p0, 0);
                 while j < p1 {
                     let r = if p1 - j >= rows { rows } else { 1 };
-                    let pf = if r == rows { prefetch(j + rows, k0, k1, 1, 0, (k1 - k0).div_ceil(step)) } else { Pf::NONE };
+                    let pf =
+                        if r == rows { prefetch(j + rows, k0, k1, 1, 0, (k1 - k0).div_ceil(step)) } else { Pf::NONE };
                     f(&Tile { i: 0, c: m, j, r, slot, k0, k1, first: ch == 0, last: ch + 1 == chunks, pf });
                     j += r;
                     slot += 1;
@@ -305,7 +320,18 @@ pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnM
                 for g in 0..groups {
                     let i = i0 + g * group;
                     let pf = if r == rows { prefetch(j + rows, 0, k, groups * chunks, call, steps) } else { Pf::NONE };
-                    f(&Tile { i, c: group.min(i1 - i), j, r, slot: g, k0, k1, first: ch == 0, last: ch + 1 == chunks, pf });
+                    f(&Tile {
+                        i,
+                        c: group.min(i1 - i),
+                        j,
+                        r,
+                        slot: g,
+                        k0,
+                        k1,
+                        first: ch == 0,
+                        last: ch + 1 == chunks,
+                        pf,
+                    });
                     call += 1;
                 }
             }

@@ -111,7 +111,15 @@ impl LayerKv {
 
     /// A layer holding the given keys and values (`[kv_heads, entries, head_dim]`) from position `start`,
     /// stored as a model of `dtype` stores them.
-    pub fn from_values(kind: LayerType, kv_heads: usize, head_dim: usize, start: usize, dtype: DType, k: &[f32], v: &[f32]) -> LayerKv {
+    pub fn from_values(
+        kind: LayerType,
+        kv_heads: usize,
+        head_dim: usize,
+        start: usize,
+        dtype: DType,
+        k: &[f32],
+        v: &[f32],
+    ) -> LayerKv {
         let split = |x: &[f32]| {
             x.chunks_exact(x.len() / kv_heads.max(1))
                 .map(|c| {
@@ -176,9 +184,7 @@ impl KvCache {
         let layers = cfg
             .layers
             .iter()
-            .map(|l| {
-                (l.kv_mode != KvMode::Reuse).then(|| LayerKv::empty(l.kind, l.kv_heads, l.head_dim, dtype))
-            })
+            .map(|l| (l.kv_mode != KvMode::Reuse).then(|| LayerKv::empty(l.kind, l.kv_heads, l.head_dim, dtype)))
             .collect();
         KvCache { layers, tokens: Vec::new(), sliding_need: cfg.sliding_window + 1 }
     }

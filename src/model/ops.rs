@@ -83,7 +83,15 @@ const ROW_BLOCK: usize = 17;
 /// same bits whatever it is batched with, the output does not depend on `rows` or the thread count.
 /// A KV head's query heads are split across threads only when there are fewer tasks than threads and
 /// its keys are short (`LONG_KEYS`).
-pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usize) -> Range<usize> + Sync, dt: DType, out: &mut [f32]) {
+pub fn attend(
+    q: &[f32],
+    kv: &LayerKv,
+    rows: usize,
+    hq: usize,
+    keys: impl Fn(usize) -> Range<usize> + Sync,
+    dt: DType,
+    out: &mut [f32],
+) {
     let d = kv.head_dim;
     let group = hq / kv.kv_heads;
     let blocks = rows.div_ceil(ROW_BLOCK).max(1);
@@ -97,7 +105,8 @@ pub fn attend(q: &[f32], kv: &LayerKv, rows: usize, hq: usize, keys: impl Fn(usi
     while !long && blocks * (hq / sub) < threads && sub.is_multiple_of(2) {
         sub /= 2;
     }
-    let tasks: Vec<(usize, usize)> = (0..blocks).flat_map(|b| (0..hq / sub).map(move |hs| (b * block_rows, hs * sub))).collect();
+    let tasks: Vec<(usize, usize)> =
+        (0..blocks).flat_map(|b| (0..hq / sub).map(move |hs| (b * block_rows, hs * sub))).collect();
     let work = |&(r0, h0): &(usize, usize)| -> Vec<f32> {
         let (g, nr) = (h0 / group, (r0 + block_rows).min(rows) - r0);
         let ranges: Vec<Range<usize>> = (r0..r0 + nr).map(&keys).filter(|r| !r.is_empty()).collect();

@@ -139,7 +139,11 @@ pub struct StopStrings {
 
 impl StopStrings {
     pub fn new(stops: Vec<String>) -> StopStrings {
-        StopStrings { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new(), stopped: false }
+        StopStrings {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            pending: String::new(),
+            stopped: false,
+        }
     }
 
     /// Feed text; returns the text that is safe to pass on. After a stop string, returns empty text.
@@ -318,9 +322,7 @@ impl<'a> TextStream<'a> {
 /// Text made safe for a terminal: control characters other than newline and tab (escape sequences a
 /// model could emit) become U+FFFD.
 pub fn terminal_safe(s: &str) -> String {
-    s.chars()
-        .map(|c| if c.is_control() && c != '\n' && c != '\t' { '\u{FFFD}' } else { c })
-        .collect()
+    s.chars().map(|c| if c.is_control() && c != '\n' && c != '\t' { '\u{FFFD}' } else { c }).collect()
 }
 
 #[cfg(test)]

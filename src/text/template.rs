@@ -26,8 +26,8 @@
 use std::fmt::Write as _;
 
 use anyhow::{anyhow, Result};
-use minijinja::value::{Kwargs, Rest, Serde, ValueKind};
 use minijinja::syntax::SyntaxConfig;
+use minijinja::value::{Kwargs, Rest, Serde, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, State, Value};
 use serde_json::{Map, Value as Json};
 
@@ -92,14 +92,17 @@ impl ChatTemplate {
         env.set_unknown_method_callback(python_methods);
         env.set_formatter(|out, _state, value| {
             if !value.is_undefined() {
-                out.write_str(&try_py_str(value)?).map_err(|_| Error::new(ErrorKind::WriteFailure, "cannot write output"))?;
+                out.write_str(&try_py_str(value)?)
+                    .map_err(|_| Error::new(ErrorKind::WriteFailure, "cannot write output"))?;
             }
             Ok(())
         });
         env.add_filter("tojson", tojson);
         env.add_filter("trim", trim);
         env.add_filter("string", |v: Value| try_py_str(&v));
-        env.add_test("sequence", |v: Value| v.is_undefined() || matches!(v.kind(), ValueKind::Seq | ValueKind::Map | ValueKind::String));
+        env.add_test("sequence", |v: Value| {
+            v.is_undefined() || matches!(v.kind(), ValueKind::Seq | ValueKind::Map | ValueKind::String)
+        });
         env.add_test("number", |v: Value| matches!(v.kind(), ValueKind::Number | ValueKind::Bool));
         env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
@@ -131,9 +134,10 @@ impl ChatTemplate {
             Err(_) if out.buf.len() > MAX_OUTPUT_BYTES => {
                 Err(anyhow!("chat template: output longer than {} MiB", MAX_OUTPUT_BYTES >> 20))
             }
-            Err(e) if e.kind() == ErrorKind::OutOfFuel => {
-                Err(anyhow!("chat template: out of fuel (the template ran longer or built more data than {} units allow)", self.fuel))
-            }
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(anyhow!(
+                "chat template: out of fuel (the template ran longer or built more data than {} units allow)",
+                self.fuel
+            )),
             Err(e) => Err(anyhow!("chat template: {}", describe(&e))),
         }
     }
@@ -183,7 +187,8 @@ fn rewrite_source(source: &str) -> String {
                 i += 3;
             }
             [(Token::BlockStart, _), (Token::Ident("set"), _), ..] => {
-                let body_end = tokens[i..].iter().position(|t| matches!(t.0, Token::BlockEnd)).map_or(tokens.len(), |p| i + p);
+                let body_end =
+                    tokens[i..].iter().position(|t| matches!(t.0, Token::BlockEnd)).map_or(tokens.len(), |p| i + p);
                 let body = &tokens[i + 2..body_end];
                 if let Some(eq) = body.iter().position(|t| matches!(t.0, Token::Assign)) {
                     let dotted = body[..eq].iter().any(|t| matches!(t.0, Token::Dot));
@@ -285,7 +290,9 @@ fn alias_reasoning_fields(messages: &Json) -> Json {
         .iter()
         .map(|m| {
             let Some(obj) = m.as_object() else { return m.clone() };
-            let reasoning = ["reasoning_content", "thinking", "reasoning"].iter().find_map(|k| obj.get(*k).filter(|v| !v.is_null()));
+            let reasoning = ["reasoning_content", "thinking", "reasoning"]
+                .iter()
+                .find_map(|k| obj.get(*k).filter(|v| !v.is_null()));
             match reasoning {
                 None => m.clone(),
                 Some(r) => {
@@ -374,7 +381,9 @@ fn python_methods(state: &mut State, value: &Value, method: &str, args: &[Value]
         let chars = match args {
             [] => None,
             [v] if v.is_none() => None,
-            [v] => Some(v.as_str().ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "strip arg must be None or str"))?),
+            [v] => Some(
+                v.as_str().ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "strip arg must be None or str"))?,
+            ),
             _ => return Err(Error::from(ErrorKind::TooManyArguments)),
         };
         let (l, r) = match method {
@@ -401,7 +410,10 @@ fn check_format_widths(s: &str) -> Result<(), Error> {
                 let run = bytes[i..].iter().take_while(|b| b.is_ascii_digit()).count();
                 let n: u128 = s[i..i + run].parse().unwrap_or(u128::MAX);
                 if n > MAX_FORMAT_WIDTH as u128 {
-                    return Err(Error::new(ErrorKind::InvalidOperation, format!("format: width or precision above {MAX_FORMAT_WIDTH}")));
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        format!("format: width or precision above {MAX_FORMAT_WIDTH}"),
+                    ));
                 }
                 i += run - 1;
             }
@@ -470,7 +482,10 @@ fn try_py_str(v: &Value) -> Result<String, Error> {
 fn value_too_big(what: &str) -> Error {
     Error::new(
         ErrorKind::InvalidOperation,
-        format!("{what}: value nested deeper than {MAX_VALUE_DEPTH} levels or longer than {} MiB", MAX_VALUE_BYTES >> 20),
+        format!(
+            "{what}: value nested deeper than {MAX_VALUE_DEPTH} levels or longer than {} MiB",
+            MAX_VALUE_BYTES >> 20
+        ),
     )
 }
 
@@ -569,7 +584,8 @@ fn py_str_repr(s: &str) -> String {
 /// sort_keys=False)` (positional arguments in that order, or keywords).
 fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
     let pos = |i: usize| args.get(i).cloned();
-    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.or_else(|| pos(0).map(|v| v.is_true())).unwrap_or(false);
+    let ensure_ascii =
+        kwargs.get::<Option<bool>>("ensure_ascii")?.or_else(|| pos(0).map(|v| v.is_true())).unwrap_or(false);
     let indent_v = kwargs.get::<Option<Value>>("indent")?.or_else(|| pos(1));
     let separators = kwargs.get::<Option<Value>>("separators")?.or_else(|| pos(2));
     let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.or_else(|| pos(3).map(|v| v.is_true())).unwrap_or(false);
@@ -581,7 +597,10 @@ fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Erro
         Some(v) => {
             let n = v.as_i64().unwrap_or(0).max(0);
             if n > MAX_JSON_INDENT as i64 {
-                return Err(Error::new(ErrorKind::InvalidOperation, format!("tojson: indent larger than {MAX_JSON_INDENT}")));
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("tojson: indent larger than {MAX_JSON_INDENT}"),
+                ));
             }
             Some(" ".repeat(n as usize))
         }
@@ -723,8 +742,20 @@ fn write_json(out: &mut String, v: &Value, o: &JsonOpts, level: usize) -> Result
 /// `strftime_now(format)` for templates that print today's date, in UTC: `%Y %m %d %e %H %M %S %y %B %b
 /// %A %a %j %p %I %%` and `%-d`-style unpadded variants.
 fn strftime_utc(fmt: &str, now: std::time::SystemTime) -> String {
-    const MONTHS: [&str; 12] =
-        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
     const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     let secs = now.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     let days = secs.div_euclid(86_400);
@@ -827,8 +858,12 @@ mod tests {
 
     #[test]
     fn generation_blocks_render_their_body() {
-        let t = ChatTemplate::new("{% for m in messages %}{%- generation -%} [{{ m.content }}] {%- endgeneration -%}{% endfor %}").unwrap();
-        let out = t.render(&serde_json::json!([{"role": "user", "content": "hi"}]), &[], &RenderOptions::default()).unwrap();
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{%- generation -%} [{{ m.content }}] {%- endgeneration -%}{% endfor %}",
+        )
+        .unwrap();
+        let out =
+            t.render(&serde_json::json!([{"role": "user", "content": "hi"}]), &[], &RenderOptions::default()).unwrap();
         assert_eq!(out, "[hi]");
     }
 
@@ -917,7 +952,8 @@ mod tests {
     #[test]
     fn set_inside_a_loop_stays_in_the_loop() {
         // As in Jinja2, `set` in a loop body does not outlive the iteration, so this does not double.
-        let t = ChatTemplate::new("{% set s = 'ab' %}{% for i in range(80) %}{% set s = s ~ s %}{% endfor %}{{ s }}").unwrap();
+        let t = ChatTemplate::new("{% set s = 'ab' %}{% for i in range(80) %}{% set s = s ~ s %}{% endfor %}{{ s }}")
+            .unwrap();
         assert_eq!(t.render(&serde_json::json!([]), &[], &RenderOptions::default()).unwrap(), "ab");
     }
 
@@ -943,17 +979,16 @@ mod tests {
         assert_eq!(t.render(&serde_json::json!([1, 2, 3]), &[], &RenderOptions::default()).unwrap(), "3 3a");
         // Values nested deeper than the limit print as an error, not a stack overflow.
         for src in [
-            "{% set ns = namespace(l=[]) %}{% for i in range(300) %}{% set ns.l = [ns.l] %}{% endfor %}{{ ns.l }}".to_string(),
+            "{% set ns = namespace(l=[]) %}{% for i in range(300) %}{% set ns.l = [ns.l] %}{% endfor %}{{ ns.l }}"
+                .to_string(),
             "{{ ".to_string() + &"[".repeat(300) + &"]".repeat(300) + " }}",
         ] {
             let err = render_err(&src);
             assert!(err.contains("nested deeper than 128") || err.contains("recursion"), "{src}: {err}");
         }
-        for src in [
-            "{% set ns = namespace(a=1) %}{% set ns.a = ns %}{{ ns }}",        ] {
-            let err = render_err(src);
-            assert!(err.contains("a namespace cannot be stored inside a namespace"), "{src}: {err}");
-        }
+        let src = "{% set ns = namespace(a=1) %}{% set ns.a = ns %}{{ ns }}";
+        let err = render_err(src);
+        assert!(err.contains("a namespace cannot be stored inside a namespace"), "{src}: {err}");
     }
 
     #[test]
@@ -972,8 +1007,10 @@ mod tests {
             if i % 2 == 0 {
                 msgs.push(serde_json::json!({"role": "user", "content": content}));
             } else {
-                msgs.push(serde_json::json!({"role": "assistant", "content": content, "tool_calls": [{"type": "function",
-                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2, 3]}}}]}));
+                msgs.push(
+                    serde_json::json!({"role": "assistant", "content": content, "tool_calls": [{"type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2, 3]}}}]}),
+                );
                 msgs.push(serde_json::json!({"role": "tool", "name": "get_weather", "content": "sunny"}));
             }
         }
@@ -1012,4 +1049,3 @@ mod tests {
         assert!(err.contains("no way"), "{err}");
     }
 }
-

@@ -27,8 +27,13 @@ const STANDARD_SPECIALS: [&str; 7] =
     ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
 
 /// Class defaults of `GemmaTokenizer` for the named tokens a config leaves out.
-const GEMMA_DEFAULTS: [(&str, &str); 5] =
-    [("unk_token", "<unk>"), ("bos_token", "<bos>"), ("eos_token", "<eos>"), ("pad_token", "<pad>"), ("mask_token", "<mask>")];
+const GEMMA_DEFAULTS: [(&str, &str); 5] = [
+    ("unk_token", "<unk>"),
+    ("bos_token", "<bos>"),
+    ("eos_token", "<eos>"),
+    ("pad_token", "<pad>"),
+    ("mask_token", "<mask>"),
+];
 
 pub struct TextTokenizer {
     inner: Tokenizer,
@@ -121,7 +126,9 @@ impl TextTokenizer {
                 }
             }
         }
-        let list_of = |v: &Value| -> Vec<String> { v.as_array().map(|a| a.iter().filter_map(token_content).collect()).unwrap_or_default() };
+        let list_of = |v: &Value| -> Vec<String> {
+            v.as_array().map(|a| a.iter().filter_map(token_content).collect()).unwrap_or_default()
+        };
         match config.get("extra_special_tokens") {
             Some(Value::Array(_)) => extra.extend(list_of(&config["extra_special_tokens"])),
             Some(Value::Object(o)) => {
@@ -166,8 +173,10 @@ impl TextTokenizer {
         // The Gemma class's own pipeline.
         let is_bpe = file_obj.get("model").and_then(|m| m.get("type")).and_then(Value::as_str) == Some("BPE");
         if gemma_class && is_bpe {
-            let unk = named.iter().find(|(k, _)| k == "unk_token").map(|(_, v)| v.clone()).unwrap_or_else(|| "<unk>".into());
-            file_obj.insert("normalizer".into(), json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}));
+            let unk =
+                named.iter().find(|(k, _)| k == "unk_token").map(|(_, v)| v.clone()).unwrap_or_else(|| "<unk>".into());
+            file_obj
+                .insert("normalizer".into(), json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}));
             file_obj.insert(
                 "pre_tokenizer".into(),
                 json!({"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": false}),
@@ -211,8 +220,10 @@ impl TextTokenizer {
                 }
             }
             entries.sort_by_key(|e| e.0);
-            let present: HashSet<String> = inner.get_added_tokens_decoder().values().map(|t| t.content.clone()).collect();
-            let missing: Vec<AddedToken> = entries.into_iter().map(|e| e.1).filter(|t| !present.contains(&t.content)).collect();
+            let present: HashSet<String> =
+                inner.get_added_tokens_decoder().values().map(|t| t.content.clone()).collect();
+            let missing: Vec<AddedToken> =
+                entries.into_iter().map(|e| e.1).filter(|t| !present.contains(&t.content)).collect();
             inner.add_tokens(missing).map_err(|e| anyhow!("{}: {e}", config_path.display()))?;
         }
         // Named and extra special tokens the tokenizer does not have as special ones yet.

@@ -9,12 +9,22 @@ use tandem::model::{Keep, TargetModel};
 
 /// Exact distribution of the generated tokens at indices 1 and 2 (the ones a first drafting round
 /// produces) under plain sampling, by enumerating the support (top-k keeps it small).
-pub fn exact_marginals(target: &TargetModel, prompt: &[u32], params: &SamplingParams) -> (HashMap<u32, f64>, HashMap<u32, f64>) {
+pub fn exact_marginals(
+    target: &TargetModel,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> (HashMap<u32, f64>, HashMap<u32, f64>) {
     let sampler = Sampler::new(params.clone());
     let probs_after = |seq: &[u32]| -> Vec<(u32, f64)> {
         let mut cache = target.new_cache();
         let out = target.forward(&mut cache, seq, Keep::Last).unwrap();
-        sampler.probs(out.logits_row(0), seq).iter().enumerate().filter(|(_, p)| **p > 0.0).map(|(i, p)| (i as u32, *p as f64)).collect()
+        sampler
+            .probs(out.logits_row(0), seq)
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| **p > 0.0)
+            .map(|(i, p)| (i as u32, *p as f64))
+            .collect()
     };
     let (mut m1, mut m2) = (HashMap::new(), HashMap::new());
     for (t0, p0) in probs_after(prompt) {
