@@ -20,6 +20,8 @@ use crate::weights::{Tensor, WeightStore};
 pub enum Preset {
     E2b,
     E4b,
+    /// 26B-A4B: the mixture-of-experts size (128 experts, top 8), where verify rows touch more experts.
+    A26b,
 }
 
 impl Preset {
@@ -27,7 +29,8 @@ impl Preset {
         match s.to_ascii_lowercase().as_str() {
             "e2b" => Ok(Preset::E2b),
             "e4b" => Ok(Preset::E4b),
-            other => bail!("--preset {other:?}: expected e2b or e4b"),
+            "26b-a4b" | "a26b" => Ok(Preset::A26b),
+            other => bail!("--preset {other:?}: expected e2b, e4b or 26b-a4b"),
         }
     }
 
@@ -38,6 +41,7 @@ impl Preset {
         let (h, inter, kv, period, shared_num, shared_den, double) = match self {
             Preset::E2b => (1536, 6144, 1, 5, 20, 35, true),
             Preset::E4b => (2560, 10240, 2, 6, 18, 42, false),
+            Preset::A26b => (2816, 2112, 8, 6, 0, 30, false),
         };
         if layers < period {
             bail!("--layers must be at least {period} for this preset (one full-attention layer)");
@@ -52,7 +56,7 @@ impl Preset {
         while shared > 0 && !types[..layers - shared].contains(&"full_attention") {
             shared -= 1;
         }
-        let j = json!({
+        let mut j = json!({
             "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": h, "intermediate_size": inter,
             "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": kv, "head_dim": 256,
             "global_head_dim": 512, "sliding_window": 512, "layer_types": types,
@@ -60,20 +64,41 @@ impl Preset {
             "vocab_size_per_layer_input": 262144, "final_logit_softcapping": 30.0,
             "max_position_embeddings": 131072,
         });
+        if self == Preset::A26b {
+            let o = j.as_object_mut().expect("object");
+            for (k, v) in [
+                ("num_attention_heads", json!(16)),
+                ("num_global_key_value_heads", json!(2)),
+                ("attention_k_eq_v", json!(true)),
+                ("sliding_window", json!(1024)),
+                ("hidden_size_per_layer_input", json!(0)),
+                ("enable_moe_block", json!(true)),
+                ("num_experts", json!(128)),
+                ("top_k_experts", json!(8)),
+                ("moe_intermediate_size", json!(704)),
+            ] {
+                o.insert(k.into(), v);
+            }
+        }
         Ok(parse_model_config(&j)?.text)
     }
 
     /// The assistant published for this size (docs/drafter.md, "Published drafters"): 4 layers
-    /// [S,S,S,F], centroid head.
+    /// [S,S,S,F], centroid head (26B-A4B: tied head).
     pub fn assistant_config(self, target: &TextConfig) -> Result<AssistantConfig> {
         let (s, f) = (target.geometry(LayerType::Sliding), target.geometry(LayerType::Full));
         let (Some((ds, kvs)), Some((df, kvf))) = (s, f) else { bail!("the target needs both layer types") };
+        // E2B/E4B: a small drafter with the centroid head; 26B-A4B: a wider one with the tied head.
+        let (hidden, inter, heads, centroids) = match self {
+            Preset::E2b | Preset::E4b => (256, 2048, 4, true),
+            Preset::A26b => (1024, 8192, 16, false),
+        };
         let j = json!({
             "model_type": "gemma4_assistant", "backbone_hidden_size": target.hidden_size,
-            "use_ordered_embeddings": true, "num_centroids": 2048, "centroid_intermediate_top_k": 32,
+            "use_ordered_embeddings": centroids, "num_centroids": 2048, "centroid_intermediate_top_k": 32,
             "text_config": {
-                "model_type": "gemma4_text", "vocab_size": target.vocab_size, "hidden_size": 256,
-                "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "model_type": "gemma4_text", "vocab_size": target.vocab_size, "hidden_size": hidden,
+                "intermediate_size": inter, "num_hidden_layers": 4, "num_attention_heads": heads,
                 "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
                 "num_key_value_heads": kvs, "head_dim": ds, "global_head_dim": df,
                 "num_global_key_value_heads": kvf, "attention_k_eq_v": kvs != kvf,
@@ -189,8 +214,16 @@ pub fn random_model(cfg: &TextConfig, seed: u64) -> Result<TargetModel> {
             mat(format!("{p}per_layer_projection.weight"), vec![h, pc.dim], 0.02);
             norms.push(norm(format!("{p}post_per_layer_input_norm.weight"), h, 6));
         }
-        if cfg.moe.is_some() {
-            bail!("random MoE models are not needed by any preset");
+        if let Some(m) = cfg.moe {
+            let (e, ie) = (m.num_experts, m.intermediate_size);
+            mat(format!("{p}router.proj.weight"), vec![e, h], 0.02);
+            mat(format!("{p}experts.gate_up_proj"), vec![e, 2 * ie, h], 0.02);
+            mat(format!("{p}experts.down_proj"), vec![e, h, ie], 0.02);
+            norms.push(norm(format!("{p}router.scale"), h, 7));
+            norms.push(norm(format!("{p}router.per_expert_scale"), e, 8));
+            for n in ["pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"] {
+                norms.push(norm(format!("{p}{n}.weight"), h, 9));
+            }
         }
     }
     specs.extend(norms);
@@ -256,7 +289,8 @@ pub struct BenchReport {
     pub machine_read_gb_per_s: f64,
     /// `(rows, ms, ratio to one row)` for a multi-row forward.
     pub rows: Vec<(usize, f64, f64)>,
-    /// One draft step of the size's assistant (centroid head), and its cost relative to a decode step.
+    /// One draft step of the size's assistant (centroid head; tied for 26B-A4B), and its cost relative to a
+    /// decode step.
     pub draft_step_ms: f64,
     pub draft_step_ratio: f64,
     /// Projected decode speed-up over plain decoding, `[k-1][accepted]`, from the measured costs:
@@ -288,7 +322,8 @@ impl BenchReport {
             s += &format!("{r:>4}  {ms:>10.1}  {ratio:>7.2}x\n");
         }
         s += &format!(
-            "draft step (centroid head): {:.2} ms = {:.1}% of a decode step\n",
+            "draft step ({} head): {:.2} ms = {:.1}% of a decode step\n",
+            if self.preset == Preset::A26b { "tied" } else { "centroid" },
             self.draft_step_ms,
             100.0 * self.draft_step_ratio
         );
@@ -442,6 +477,17 @@ mod tests {
         assert!(Preset::E2b.config(3).is_err());
         assert!(Preset::E2b.config(36).is_err() && Preset::E4b.config(43).is_err());
         assert!(Preset::parse("e9b").is_err());
+        // 26B-A4B: MoE, no PLE and no sharing, k_eq_v full layers, the tied-head drafter.
+        for layers in [6, 30] {
+            let t = Preset::parse("26b-a4b").unwrap().config(layers).unwrap();
+            let m = t.moe.unwrap();
+            assert_eq!((t.hidden_size, m.num_experts, m.top_k, m.intermediate_size), (2816, 128, 8, 704));
+            assert!(t.ple.is_none() && t.layers.iter().all(|l| l.kv_mode != KvMode::Reuse));
+            assert_eq!(t.geometry(LayerType::Full), Some((512, 2)));
+            let a = Preset::A26b.assistant_config(&t).unwrap();
+            validate_pair(&t, &a).unwrap();
+            assert_eq!(a.head, DraftHead::Tied);
+        }
     }
 }
 

@@ -141,7 +141,7 @@ struct ChatArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// Model dimensions: e2b or e4b.
+    /// Model dimensions: e2b, e4b or 26b-a4b (the MoE size: 128 experts, top 8).
     #[arg(long, default_value = "e2b")]
     preset: String,
     /// Decoder layers to build (the real models have 35 / 42; fewer fit in memory and run faster).
