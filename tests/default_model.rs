@@ -3,7 +3,8 @@
 
 mod common;
 
-use std::path::PathBuf;
+use common::{heldout_prompts, shipped_dir};
+
 use std::process::Command;
 
 use serde_json::Value;
@@ -15,24 +16,10 @@ use tandem::decode::speculative::generate_speculative;
 use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
 
-fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/default")
-}
-
-fn heldout() -> Vec<Vec<u32>> {
-    let json: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir().join("heldout_prompts.json")).unwrap()).unwrap();
-    json.as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
-        .collect()
-}
-
 #[test]
 fn drafting_on_the_shipped_pair_is_lossless_and_accepted() {
-    let target = TargetModel::load(&dir().join("target")).unwrap();
-    let assistant = Assistant::load(&dir().join("assistant")).unwrap();
+    let target = TargetModel::load(&shipped_dir().join("target")).unwrap();
+    let assistant = Assistant::load(&shipped_dir().join("assistant")).unwrap();
     validate_pair(&target.cfg, &assistant.cfg).unwrap();
     let opts = GenerateOptions {
         max_new_tokens: 48,
@@ -42,7 +29,7 @@ fn drafting_on_the_shipped_pair_is_lossless_and_accepted() {
         context_limit: target.cfg.max_position_embeddings,
     };
     let (mut rounds, mut accepted) = (0, 0);
-    for prompt in heldout().iter().take(8) {
+    for prompt in heldout_prompts().iter().take(8) {
         let plain = generate(&target, prompt, &opts, |_| {}).unwrap().tokens;
         for dl in [DraftLength::Fixed(4), DraftLength::Fixed(2), DraftLength::Auto] {
             let (g, s) =

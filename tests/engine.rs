@@ -7,8 +7,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{fixture_dir, stats};
-use serde_json::Value;
+use common::{fixture_dir, heldout_prompts, shipped_dir, stats};
 use tandem::decode::draft_policy::{DraftLength, DraftPolicy};
 use tandem::decode::generate::{generate, GenerateOptions};
 use tandem::decode::sampling::SamplingParams;
@@ -16,20 +15,6 @@ use tandem::decode::speculative::generate_speculative;
 use tandem::engine::{Event, Handle, Limits, Models, Outcome, Prompt, Request, Scheduler};
 use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
-
-fn shipped() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/default")
-}
-
-fn heldout() -> Vec<Vec<u32>> {
-    let json: Value =
-        serde_json::from_str(&std::fs::read_to_string(shipped().join("heldout_prompts.json")).unwrap()).unwrap();
-    json.as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
-        .collect()
-}
 
 fn models(target: PathBuf, assistant: Option<PathBuf>) -> Models {
     Models {
@@ -169,8 +154,8 @@ fn submit_all(s: &mut Scheduler<'_>, cases: &mut [Case]) {
 
 #[test]
 fn sixteen_requests_on_the_shipped_pair_equal_their_solo_runs() {
-    let m = models(shipped().join("target"), Some(shipped().join("assistant")));
-    let prompts = heldout();
+    let m = models(shipped_dir().join("target"), Some(shipped_dir().join("assistant")));
+    let prompts = heldout_prompts();
     let drafts = [
         None,
         Some(DraftLength::Fixed(1)),
@@ -276,8 +261,8 @@ fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
 
 #[test]
 fn a_finished_sequence_lends_its_prefix_to_the_next_request() {
-    let m = models(shipped().join("target"), Some(shipped().join("assistant")));
-    let p = heldout()[0].clone();
+    let m = models(shipped_dir().join("target"), Some(shipped_dir().join("assistant")));
+    let p = heldout_prompts()[0].clone();
     let o = opts(&m, 16, SamplingParams::default());
     let mut s = Scheduler::new(&m, Limits::default());
     let mut first = vec![case(p.clone(), o.clone(), Some(DraftLength::Fixed(3)), 0, None)];
@@ -303,8 +288,8 @@ fn seeded_sampling_with_auto_under_load_keeps_the_plain_distribution() {
     // With `auto`, a sampled request's k depends on the load, so its tokens may differ from a solo run;
     // their distribution must not. 1200 requests, 24 at a time, against the exact marginals.
     // The shipped pair: its trained drafter is accepted often enough that auto keeps drafting.
-    let m = models(shipped().join("target"), Some(shipped().join("assistant")));
-    let prompt: Vec<u32> = heldout()[3][..10].to_vec();
+    let m = models(shipped_dir().join("target"), Some(shipped_dir().join("assistant")));
+    let prompt: Vec<u32> = heldout_prompts()[3][..10].to_vec();
     let params = SamplingParams { temperature: 1.0, top_k: 6, ..SamplingParams::default() };
     let (m1, m2) = stats::exact_marginals(&m.target, &prompt, &params);
     let n = 1200;

@@ -14,6 +14,22 @@ pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
+/// The model pair that ships in models/default.
+pub fn shipped_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/default")
+}
+
+/// The shipped pair's held-out prompts, as token ids.
+pub fn heldout_prompts() -> Vec<Vec<u32>> {
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(shipped_dir().join("heldout_prompts.json")).unwrap()).unwrap();
+    json.as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
+        .collect()
+}
+
 /// A scratch copy of a fixture directory that a test may break (a new directory on every call).
 pub fn scratch_copy(name: &str) -> PathBuf {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
