@@ -414,7 +414,9 @@ fn open_session(
     // Test hook: slow every step down so that a test can interrupt a reply.
     let step_delay =
         std::env::var("TANDEM_TEST_TOKEN_DELAY_MS").ok().and_then(|v| v.parse::<u64>().ok()).map(Duration::from_millis);
-    let engine = Engine::start(models, Limits { step_delay, ..Limits::default() });
+    // One user: the K/V budget is whatever memory the machine has free (a request that cannot fit says so).
+    let kv_bytes = tandem::system::available_memory_bytes().map_or(Limits::default().kv_bytes, |b| b as usize);
+    let engine = Engine::start(models, Limits { step_delay, kv_bytes, ..Limits::default() });
     Ok(Session { engine, opts, draft, drafting, stop: run.stop.clone(), show_thinking: run.show_thinking })
 }
 
