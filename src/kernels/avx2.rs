@@ -466,6 +466,67 @@ unsafe fn gelu_impl(x: &mut [f32]) {
     }
 }
 
+/// Round every element to bf16 in place (ties to even, as `half::bf16::from_f32`).
+pub fn round_bf16_slice(x: &mut [f32]) {
+    assert!(supported());
+    // SAFETY: features asserted; masked accesses stay inside `x`.
+    unsafe { round_bf16_slice_impl(x) }
+}
+
+/// # Safety
+/// The CPU must have AVX2 (every access is masked to `x`).
+#[target_feature(enable = "avx2")]
+unsafe fn round_bf16_slice_impl(x: &mut [f32]) {
+    let (n, p) = (x.len(), x.as_mut_ptr());
+    let mut i = 0;
+    while i + 8 <= n {
+        _mm256_storeu_ps(p.add(i), round_bf16(_mm256_loadu_ps(p.add(i))));
+        i += 8;
+    }
+    if i < n {
+        let mask = tail_mask(n - i);
+        _mm256_maskstore_ps(p.add(i), mask, round_bf16(_mm256_maskload_ps(p.add(i), mask)));
+    }
+}
+
+/// Final-logit softcapping `c·tanh(x/c)` in place, as `avx512::softcap` (the same formulas at 8 lanes).
+pub fn softcap(x: &mut [f32], cap: f32, bf16: bool) {
+    assert!(supported());
+    // SAFETY: features asserted; masked accesses stay inside `x`.
+    unsafe { softcap_impl(x, cap, bf16) }
+}
+
+/// # Safety
+/// The CPU must have AVX2 and FMA (every access is masked to `x`).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softcap_impl(x: &mut [f32], cap: f32, bf16: bool) {
+    let (n, p) = (x.len(), x.as_mut_ptr());
+    let (c, one, two) = (_mm256_set1_ps(cap), _mm256_set1_ps(1.0), _mm256_set1_ps(2.0));
+    let r = |v: __m256| if bf16 { round_bf16(v) } else { v };
+    // tanh y = y·(1 + y²·(c3 + y²·(c5 + ...))), Horner in y².
+    const SERIES: [f32; 6] =
+        [21844.0 / 6081075.0, -1382.0 / 155925.0, 62.0 / 2835.0, -17.0 / 315.0, 2.0 / 15.0, -1.0 / 3.0];
+    let sign = _mm256_set1_ps(-0.0);
+    let mut i = 0;
+    while i < n {
+        let mask = tail_mask(n - i);
+        let y = r(_mm256_div_ps(_mm256_maskload_ps(p.add(i), mask), c));
+        let e = exp(_mm256_mul_ps(two, y));
+        let big = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+        let y2 = _mm256_mul_ps(y, y);
+        let mut poly = _mm256_set1_ps(SERIES[0]);
+        for k in &SERIES[1..] {
+            poly = _mm256_fmadd_ps(poly, y2, _mm256_set1_ps(*k));
+        }
+        let small = _mm256_fmadd_ps(_mm256_mul_ps(poly, y2), y, y);
+        let abs = _mm256_andnot_ps(sign, y);
+        let is_small = _mm256_cmp_ps::<_CMP_LT_OQ>(abs, _mm256_set1_ps(0.3));
+        let t = r(_mm256_blendv_ps(big, small, is_small));
+        _mm256_maskstore_ps(p.add(i), mask, r(_mm256_mul_ps(t, c)));
+        i += 8;
+    }
+}
+
 /// XOR of all 32-byte blocks of `buf` (whole blocks only): touches every byte, for bandwidth tests.
 pub fn read_xor(buf: &[u8]) -> u64 {
     assert!(supported());

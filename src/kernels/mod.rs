@@ -68,9 +68,17 @@ impl DType {
 
     /// Round every element to this dtype (a no-op for f32): the cast points of the reference forward.
     pub fn round_slice(self, xs: &mut [f32]) {
+        self.round_slice_with(isa(), xs)
+    }
+
+    pub fn round_slice_with(self, isa: Isa, xs: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if self == DType::BF16 && isa() >= Isa::Avx512 {
-            return avx512::round_bf16_slice(xs);
+        if self == DType::BF16 {
+            match runnable(isa) {
+                Isa::Avx512 | Isa::Avx512Bf16 => return avx512::round_bf16_slice(xs),
+                Isa::Avx2 => return avx2::round_bf16_slice(xs),
+                Isa::Scalar => {}
+            }
         }
         if self != DType::F32 {
             for x in xs.iter_mut() {
@@ -325,6 +333,8 @@ pub fn softcap_with(isa: Isa, x: &mut [f32], cap: f32, dt: DType) {
     match runnable(isa) {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 if dt != DType::F16 => avx512::softcap(x, cap, dt == DType::BF16),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if dt != DType::F16 => avx2::softcap(x, cap, dt == DType::BF16),
         _ => scalar::softcap(x, cap, dt),
     }
 }

@@ -369,10 +369,16 @@ fn softcap_and_bf16_rounding_match_scalar() {
             }
         }
     }
-    let mut got = base.clone();
-    DType::BF16.round_slice(&mut got);
-    for (g, x) in got.iter().zip(&base) {
-        assert_eq!(g.to_bits(), half::bf16::from_f32(*x).to_f32().to_bits());
+    base.extend([f32::NAN, -f32::NAN, f32::from_bits(0x7f80_0001), f32::from_bits(0x0000_8001), 1.0 + 1.0 / 256.0]);
+    for isa in Isa::available() {
+        // Every length up to a few vectors, for the masked tails.
+        for len in (0..40).chain([base.len()]) {
+            let mut got = base[..len].to_vec();
+            DType::BF16.round_slice_with(isa, &mut got);
+            for (g, x) in got.iter().zip(&base) {
+                assert_eq!(g.to_bits(), half::bf16::from_f32(*x).to_f32().to_bits(), "{isa:?} {x:e}");
+            }
+        }
     }
 }
 
