@@ -1,4 +1,5 @@
-//! `tandem bench`: speed of a random-weight model at real Gemma 4 dimensions, built in memory.
+//! `tandem bench`: speed of a checkpoint, or of a random-weight model at real Gemma 4 dimensions built
+//! in memory, measured through the engine (see docs/engine.md) and at the kernels' level.
 
 use std::time::Instant;
 
@@ -266,45 +267,58 @@ fn random_tensor(name: &str, shape: Vec<usize>, scale: f32, offset: f32, seed: u
 }
 
 pub struct BenchOptions {
-    pub preset: Preset,
-    pub layers: usize,
     pub prefill_tokens: usize,
     pub decode_steps: usize,
     pub max_rows: usize,
     pub draft_steps: usize,
+    /// Draft length for the speculative run through the engine (with an assistant).
+    pub draft: crate::decode::draft_policy::DraftLength,
     pub threads: usize,
 }
 
 #[derive(Serialize)]
 pub struct BenchReport {
-    pub preset: Preset,
-    pub layers: usize,
+    /// What was measured: a checkpoint's directory or the random preset's description.
+    pub model: String,
     pub threads: usize,
     pub isa: String,
     pub weight_bytes_per_token: usize,
+    /// Prompt tokens per second: time from submitting a request to the engine to its first token.
     pub prefill_tokens_per_s: f64,
+    /// Plain decoding through the engine, one request alone.
     pub decode_tokens_per_s: f64,
     pub decode_ms_per_token: f64,
     pub effective_weight_gb_per_s: f64,
     pub machine_read_gb_per_s: f64,
     /// `(rows, ms, ratio to one row)` for a multi-row forward.
     pub rows: Vec<(usize, f64, f64)>,
-    /// One draft step of the size's assistant (centroid head; tied for 26B-A4B), and its cost relative to a
-    /// decode step.
+    /// One draft step of the assistant, and its cost relative to a decode step (none without one).
+    pub draft_head: Option<String>,
     pub draft_step_ms: f64,
     pub draft_step_ratio: f64,
+    /// Decoding with drafting through the engine, the same request as the plain run.
+    pub speculative: Option<SpeculativeRun>,
     /// Projected decode speed-up over plain decoding, `[k-1][accepted]`, from the measured costs:
     /// `(accepted + 1) · t_step / (k · t_draft + t_verify(k + 1))`.
     pub projected_speedup: Vec<Vec<f64>>,
+}
+
+#[derive(Serialize)]
+pub struct SpeculativeRun {
+    pub draft_tokens: String,
+    pub decode_tokens_per_s: f64,
+    /// Against the plain run.
+    pub speedup: f64,
+    pub mean_accepted_per_round: f64,
+    pub acceptance_rate: f64,
 }
 
 impl BenchReport {
     pub fn table(&self) -> String {
         let mut s = String::new();
         s += &format!(
-            "model: random {:?} dims, {} layers, {:.2} GB of bf16 weights read per token; {} threads, {}\n",
-            self.preset,
-            self.layers,
+            "model: {}, {:.2} GB of weights read per token; {} threads, {}\n",
+            self.model,
             self.weight_bytes_per_token as f64 / 1e9,
             self.threads,
             self.isa
@@ -319,14 +333,24 @@ impl BenchReport {
         );
         s += "rows  ms/forward  vs 1 row\n";
         for (r, ms, ratio) in &self.rows {
-            s += &format!("{r:>4}  {ms:>10.1}  {ratio:>7.2}x\n");
+            s += &format!("{r:>4}  {ms:>10.2}  {ratio:>7.2}x\n");
         }
+        let Some(head) = &self.draft_head else { return s };
         s += &format!(
-            "draft step ({} head): {:.2} ms = {:.1}% of a decode step\n",
-            if self.preset == Preset::A26b { "tied" } else { "centroid" },
+            "draft step ({head} head): {:.2} ms = {:.1}% of a decode step\n",
             self.draft_step_ms,
             100.0 * self.draft_step_ratio
         );
+        if let Some(sp) = &self.speculative {
+            s += &format!(
+                "decode with drafting ({}): {:.2} tok/s = {:.2}x plain; {:.2} accepted drafts per round ({:.0}%)\n",
+                sp.draft_tokens,
+                sp.decode_tokens_per_s,
+                sp.speedup,
+                sp.mean_accepted_per_round,
+                100.0 * sp.acceptance_rate
+            );
+        }
         s += "projected speed-up by draft tokens k (rows) and mean accepted drafts per round (columns)\n   k";
         for a in 0..self.projected_speedup.len().max(1) + 1 {
             s += &format!("  {a:>5}");
@@ -348,54 +372,154 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
-pub fn run(opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
+/// The random model of a preset and its random drafter, as `Models`, with a description.
+pub fn random_models(preset: Preset, layers: usize) -> Result<(crate::engine::Models, String)> {
+    let cfg = preset.config(layers)?;
+    let target = random_model(&cfg, 7)?;
+    let assistant = random_assistant(&preset.assistant_config(&cfg)?, 99)?;
+    let name = format!("random {preset:?} dims, {layers} layers, with a random drafter (nothing accepted)");
+    Ok((crate::engine::Models { target, assistant: Some(assistant), tokenizer: None, template: None }, name))
+}
+
+/// Timings of one request run alone through the engine's scheduler, as `tandem generate` runs it.
+struct EngineRun {
+    /// Submission to the first token.
+    first_token_s: f64,
+    /// Seconds per token after the first (the first decode step, which warms caches, left out).
+    per_token_s: f64,
+    /// From the first token to the last, and the tokens generated in that time.
+    decode_s: f64,
+    decode_tokens: usize,
+    tokens: Vec<u32>,
+    spec: Option<crate::decode::speculative::SpecStats>,
+    /// The draft policy handed back (with what `auto` learned).
+    policy: Option<crate::decode::draft_policy::DraftPolicy>,
+}
+
+fn engine_run(
+    models: &crate::engine::Models,
+    prompt: &[u32],
+    new_tokens: usize,
+    draft: Option<crate::decode::draft_policy::DraftPolicy>,
+) -> Result<EngineRun> {
+    use crate::engine::{Event, Limits, Prompt, Request, Scheduler};
+    let opts = crate::decode::generate::GenerateOptions {
+        max_new_tokens: new_tokens,
+        ignore_eos: true,
+        sampling: crate::decode::sampling::SamplingParams::default(),
+        top_logprobs: None,
+        context_limit: models.target.cfg.max_position_embeddings,
+    };
+    let mut s = Scheduler::new(models, Limits { max_active: 1, pool: 0, ..Limits::default() });
+    let t0 = Instant::now();
+    let h = s.submit(Request {
+        prompt: Prompt::Ids(prompt.to_vec()),
+        opts,
+        stop: Vec::new(),
+        show_thinking: false,
+        draft,
+        trace: false,
+    })?;
+    // Arrival time and count of each event's tokens.
+    let mut arrivals: Vec<(f64, usize)> = Vec::new();
+    let mut tokens = Vec::new();
+    loop {
+        s.step();
+        let now = t0.elapsed().as_secs_f64();
+        while let Some(e) = h.try_recv() {
+            match e {
+                Event::Tokens { ids, .. } => {
+                    arrivals.push((now, ids.len()));
+                    tokens.extend(ids);
+                }
+                Event::Done(o) => {
+                    let first = arrivals.first().map_or(now, |a| a.0);
+                    let last = arrivals.last().map_or(now, |a| a.0);
+                    let after_first = tokens.len().saturating_sub(arrivals.first().map_or(0, |a| a.1));
+                    // Per token: from the second event on, so that the first decode step is left out.
+                    let (t1, skip) = arrivals.get(1).map_or((first, 0), |a| (a.0, arrivals[0].1 + a.1));
+                    let n = tokens.len().saturating_sub(skip);
+                    return Ok(EngineRun {
+                        first_token_s: first,
+                        per_token_s: if n > 0 { (last - t1) / n as f64 } else { f64::NAN },
+                        decode_s: last - first,
+                        decode_tokens: after_first,
+                        tokens,
+                        spec: o.spec,
+                        policy: o.draft,
+                    });
+                }
+                Event::Error(e) => bail!("the benchmark request failed: {e}"),
+            }
+        }
+    }
+}
+
+/// The sizes in `opts` fit a model with this config.
+pub fn check_options(opts: &BenchOptions, cfg: &TextConfig) -> Result<()> {
     if opts.max_rows == 0 || opts.max_rows > crate::model::cache::MAX_ROLLBACK {
         bail!("--rows must be between 1 and {}", crate::model::cache::MAX_ROLLBACK);
     }
     if opts.prefill_tokens == 0 || opts.decode_steps == 0 {
         bail!("--prefill and --decode must be at least 1");
     }
-    let cfg = opts.preset.config(opts.layers)?;
-    // Positions the run needs: the prompt, a warm-up step, the decode steps, then the multi-row forwards
-    // (rolled back after each).
+    // Positions the run needs: the prompt and the decode steps (+ a warm-up step and drafts that are
+    // rolled back), or the prompt and the multi-row forwards.
     let ctx = cfg.max_position_embeddings;
     match opts
         .prefill_tokens
-        .checked_add(1)
-        .and_then(|n| n.checked_add(opts.decode_steps))
-        .and_then(|n| n.checked_add(opts.max_rows))
+        .checked_add(2)
+        .and_then(|n| n.checked_add(opts.decode_steps.max(opts.max_rows)))
+        .and_then(|n| n.checked_add(crate::model::cache::MAX_ROLLBACK))
     {
-        Some(n) if n <= ctx => {}
+        Some(n) if n <= ctx => Ok(()),
         _ => bail!(
-            "--prefill {} + --decode {} + --rows {} (+1 warm-up step) exceed the model's context of {ctx} positions",
+            "--prefill {} + --decode {} + --rows {} (+ room for drafts) exceed the model's context of {ctx} positions",
             opts.prefill_tokens,
             opts.decode_steps,
             opts.max_rows
         ),
     }
-    log(&format!("building a random {:?} model with {} layers in memory...", opts.preset, opts.layers));
-    let model = random_model(&cfg, 7)?;
+}
+
+/// Prefill and decode through the engine, then the kernels' cost curve: multi-row forwards, draft
+/// steps, and the speed-up they project.
+pub fn run(models: &crate::engine::Models, name: &str, opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
+    let model = &models.target;
+    let cfg = &model.cfg;
+    check_options(opts, cfg)?;
     let bytes = model.bytes_per_token();
     log("measuring the machine's read bandwidth...");
     let machine = kernels::bandwidth::measure_read_bandwidth(1 << 30);
+    let vocab = cfg.vocab_size as u64;
+    let prompt: Vec<u32> = (0..opts.prefill_tokens as u64).map(|i| 3 + ((i * 7919) % (vocab - 3)) as u32).collect();
 
-    let prompt: Vec<u32> = (0..opts.prefill_tokens as u64).map(|i| 3 + ((i * 7919) % 262_000) as u32).collect();
-    let mut cache = model.new_cache();
-    log(&format!("prefill of {} tokens...", prompt.len()));
-    let t = Instant::now();
-    crate::decode::generate::prefill(&model, &mut cache, &prompt, &mut Default::default())?;
-    let prefill_s = t.elapsed().as_secs_f64();
-
-    log(&format!("{} decode steps...", opts.decode_steps));
-    // One warm-up step, then the timed ones.
-    model.forward(&mut cache, &[5], Keep::Last)?;
-    let t = Instant::now();
-    for i in 0..opts.decode_steps {
-        model.forward(&mut cache, &[(11 + i * 13) as u32], Keep::Last)?;
-    }
-    let step_s = t.elapsed().as_secs_f64() / opts.decode_steps as f64;
+    log(&format!("prefill of {} tokens and {} decode steps through the engine...", prompt.len(), opts.decode_steps));
+    // A warm-up request first: the first pass over a file's pages pays for mapping them.
+    engine_run(models, &prompt[..prompt.len().min(8)], 2, None)?;
+    let plain = engine_run(models, &prompt, opts.decode_steps + 2, None)?;
+    let step_s = plain.per_token_s;
+    let speculative = match &models.assistant {
+        Some(_) => {
+            log(&format!("the same with drafting ({})...", opts.draft));
+            let run = engine_run(models, &prompt, opts.decode_steps + 2, Some(opts.draft.into()))?;
+            let sp = run.spec.unwrap_or_default();
+            let rounds = sp.draft_rounds.max(1) as f64;
+            Some(SpeculativeRun {
+                draft_tokens: opts.draft.to_string(),
+                decode_tokens_per_s: 1.0 / run.per_token_s,
+                speedup: step_s / run.per_token_s,
+                mean_accepted_per_round: sp.accepted_tokens as f64 / rounds,
+                acceptance_rate: sp.accepted_tokens as f64 / sp.drafted_tokens.max(1) as f64,
+            })
+        }
+        None => None,
+    };
 
     log("multi-row forwards...");
+    let mut cache = model.new_cache();
+    crate::decode::generate::prefill(model, &mut cache, &prompt, &mut Default::default())?;
+    model.forward(&mut cache, &[5], Keep::Last)?;
     let mut rows_ms = Vec::new();
     let mut base = 0.0;
     for r in 1..=opts.max_rows {
@@ -413,42 +537,51 @@ pub fn run(opts: &BenchOptions, log: impl Fn(&str)) -> Result<BenchReport> {
         }
         rows_ms.push((r, ms, ms / base));
     }
-    log("draft steps...");
-    let acfg = opts.preset.assistant_config(&cfg)?;
-    let assistant = random_assistant(&acfg, 99)?;
-    let sliding = cache.store_kv(&cfg, LayerType::Sliding).expect("store layer");
-    let full = cache.store_kv(&cfg, LayerType::Full).expect("store layer");
-    let mut emb = vec![0f32; cfg.hidden_size];
-    model.embed_token(17, &mut emb);
-    let mut h = vec![0.01f32; cfg.hidden_size];
-    let mut times = Vec::new();
-    for _ in 0..opts.draft_steps.max(1) {
-        let t = Instant::now();
-        let step = assistant.step(&emb, &h, sliding, full, cache.len());
-        times.push(t.elapsed().as_secs_f64());
-        h = step.hidden;
+    let (mut draft_s, mut draft_head) = (f64::NAN, None);
+    if let Some(assistant) = &models.assistant {
+        log("draft steps...");
+        let sliding = cache.store_kv(cfg, LayerType::Sliding).expect("store layer");
+        let full = cache.store_kv(cfg, LayerType::Full).expect("store layer");
+        let mut emb = vec![0f32; cfg.hidden_size];
+        model.embed_token(17, &mut emb);
+        let mut h = vec![0.01f32; cfg.hidden_size];
+        let mut times = Vec::new();
+        for _ in 0..opts.draft_steps.max(1) {
+            let t = Instant::now();
+            let step = assistant.step(&emb, &h, sliding, full, cache.len());
+            times.push(t.elapsed().as_secs_f64());
+            h = step.hidden;
+        }
+        draft_s = median(times);
+        draft_head = Some(match assistant.cfg.head {
+            crate::config::DraftHead::Centroid { .. } => "centroid".to_string(),
+            _ => "tied".to_string(),
+        });
     }
-    let draft_s = median(times);
     let verify = |rows: usize| -> f64 { rows_ms.get(rows - 1).map_or(f64::NAN, |r| r.1) / 1e3 };
     // Against the one-row forward of the same table, so that a change in the machine's speed between
     // the decode measurement and the table does not skew the projection.
-    let projected_speedup = (1..opts.max_rows)
-        .map(|k| (0..=k).map(|a| (a + 1) as f64 * verify(1) / (k as f64 * draft_s + verify(k + 1))).collect())
-        .collect();
+    let projected_speedup = match draft_head {
+        Some(_) => (1..opts.max_rows)
+            .map(|k| (0..=k).map(|a| (a + 1) as f64 * verify(1) / (k as f64 * draft_s + verify(k + 1))).collect())
+            .collect(),
+        None => Vec::new(),
+    };
     Ok(BenchReport {
-        preset: opts.preset,
-        layers: opts.layers,
+        model: name.to_string(),
         threads: opts.threads,
         isa: format!("{:?}", kernels::isa()),
         weight_bytes_per_token: bytes,
-        prefill_tokens_per_s: prompt.len() as f64 / prefill_s,
+        prefill_tokens_per_s: prompt.len() as f64 / plain.first_token_s,
         decode_tokens_per_s: 1.0 / step_s,
         decode_ms_per_token: step_s * 1e3,
         effective_weight_gb_per_s: bytes as f64 / step_s / 1e9,
         machine_read_gb_per_s: machine,
         rows: rows_ms,
+        draft_head,
         draft_step_ms: draft_s * 1e3,
         draft_step_ratio: draft_s / step_s,
+        speculative,
         projected_speedup,
     })
 }
@@ -578,41 +711,34 @@ pub fn read_prompts(path: &std::path::Path) -> Result<Vec<Vec<u32>>> {
     Ok(prompts)
 }
 
-/// Run every prompt greedily without and with drafting, interleaved so both see the same machine.
+/// Run every prompt greedily without and with drafting through the engine, one request at a time as
+/// `tandem generate` runs them, interleaved so both see the same machine.
 pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
-    use crate::decode::generate::{generate, GenerateOptions};
-    use crate::decode::sampling::SamplingParams;
-    use crate::decode::speculative::generate_speculative;
-
     let target = TargetModel::load(&opts.target)?;
     let assistant = Assistant::load(&opts.assistant)?;
     crate::config::validate_pair(&target.cfg, &assistant.cfg)?;
+    let models = crate::engine::Models { target, assistant: Some(assistant), tokenizer: None, template: None };
     let prompts = read_prompts(&opts.prompts)?;
-    let gen = GenerateOptions {
-        max_new_tokens: opts.max_new_tokens,
-        ignore_eos: true,
-        sampling: SamplingParams::default(),
-        top_logprobs: None,
-        context_limit: target.cfg.max_position_embeddings,
-    };
     let (mut plain_s, mut spec_s, mut tokens) = (0.0, 0.0, 0usize);
     let (mut rounds, mut drafted, mut accepted) = (0usize, 0usize, 0usize);
     let mut draft_s = 0.0;
     let mut by_position: Vec<usize> = Vec::new();
     let mut identical = true;
     // One policy for all prompts, as a server would keep one per model pair.
-    let mut policy = crate::decode::draft_policy::DraftPolicy::from(opts.draft);
-    let decode_time = |g: &crate::decode::generate::Generation| {
-        (g.tokens.len().saturating_sub(1)) as f64 / g.stats.decode_tokens_per_s.max(1e-9)
-    };
+    let mut policy = Some(crate::decode::draft_policy::DraftPolicy::from(opts.draft));
+    // A warm-up request: the first pass over the files' pages pays for mapping them.
+    engine_run(&models, &prompts[0], 2, None)?;
     for (i, p) in prompts.iter().enumerate() {
         log(&format!("prompt {}/{}", i + 1, prompts.len()));
-        let plain = generate(&target, p, &gen, |_| {})?;
-        let (spec, stats) = generate_speculative(&target, &assistant, p, &gen, &mut policy, false, |_| {})?;
+        let plain = engine_run(&models, p, opts.max_new_tokens, None)?;
+        let spec = engine_run(&models, p, opts.max_new_tokens, policy.take())?;
+        policy = spec.policy;
+        let stats = spec.spec.unwrap_or_default();
         identical &= plain.tokens == spec.tokens;
-        plain_s += decode_time(&plain);
-        spec_s += decode_time(&spec);
-        tokens += plain.tokens.len().saturating_sub(1);
+        // Decode speed on the same tokens: the plain run's count after its first token.
+        plain_s += plain.decode_s;
+        spec_s += spec.decode_s;
+        tokens += plain.decode_tokens;
         rounds += stats.draft_rounds;
         drafted += stats.drafted_tokens;
         accepted += stats.accepted_tokens;

@@ -12,7 +12,7 @@ use clap::{ArgGroup, Args, Parser, Subcommand};
 use serde_json::json;
 
 use tandem::bench::{self, BenchOptions, Preset};
-use tandem::config::validate_pair;
+use tandem::config::{validate_pair, TextConfig};
 use tandem::decode::draft_policy::{DraftLength, DraftPolicy, MAX_DRAFT};
 use tandem::decode::generate::{FinishReason, GenerateOptions, Generation};
 use tandem::decode::sampling::SamplingParams;
@@ -160,7 +160,8 @@ struct BenchArgs {
     #[arg(long, allow_hyphen_values = true, default_value_t = 15)]
     draft_steps: usize,
     /// Instead: run held-out prompts greedily with and without drafting on a real pair (default: the
-    /// pair that ships in models/default) and report acceptance and the decode speed-up.
+    /// pair that ships in models/default, or --model and --assistant) and report acceptance and the
+    /// decode speed-up.
     #[arg(long, conflicts_with = "concurrency")]
     pair: bool,
     /// Instead: run this many requests at once through the engine, for each level (e.g. 1,2,4,8), with
@@ -178,18 +179,18 @@ struct BenchArgs {
     /// in the streams' inter-token latency).
     #[arg(long, value_name = "N", allow_hyphen_values = true, default_value_t = 0)]
     join_prompt: usize,
-    /// --pair, --concurrency: target model directory.
+    /// The checkpoint to measure (default: a random model of --preset with --layers, and its random
+    /// drafter, built in memory).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// --pair, --concurrency: assistant directory.
+    /// The assistant to measure with --model.
     #[arg(long)]
     assistant: Option<PathBuf>,
     /// --pair, --concurrency: JSON list of prompts (objects with `ids`, or lists of ids; --concurrency
     /// cycles through them, cut to --prefill tokens, and uses random ids without them).
     #[arg(long)]
     prompts: Option<PathBuf>,
-    /// --pair, --concurrency: draft tokens per round (a number or `auto`; default 4 for --pair, auto for
-    /// --concurrency).
+    /// Draft tokens per round with drafting (a number or `auto`; default 4, auto for --concurrency).
     #[arg(long)]
     draft_tokens: Option<String>,
     /// --pair: tokens generated per prompt.
@@ -920,11 +921,11 @@ fn reply_summary(g: &Generation, spec: Option<&SpecStats>, reason: &str) -> Stri
 }
 
 fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
-    if !args.pair
-        && args.concurrency.is_none()
-        && (args.model.is_some() || args.assistant.is_some() || args.draft_tokens.is_some() || args.prompts.is_some())
-    {
-        bail!("--model, --assistant, --prompts and --draft-tokens go with --pair or --concurrency");
+    if args.pair && args.prompts.is_none() && args.model.is_some() != args.assistant.is_some() {
+        bail!("--pair needs both --model and --assistant (or neither, for the shipped pair)");
+    }
+    if args.prompts.is_some() && !args.pair && args.concurrency.is_none() {
+        bail!("--prompts goes with --pair or --concurrency");
     }
     if let Some(levels) = &args.concurrency {
         return run_concurrency_bench(&args, levels);
@@ -946,17 +947,16 @@ fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
         }
         return Ok(());
     }
-    let preset = Preset::parse(&args.preset)?;
     let opts = BenchOptions {
-        preset,
-        layers: args.layers,
         prefill_tokens: args.prefill,
         decode_steps: args.decode,
         max_rows: args.rows,
         draft_steps: args.draft_steps,
+        draft: DraftLength::parse(args.draft_tokens.as_deref().unwrap_or("4"))?,
         threads,
     };
-    let report = bench::run(&opts, |msg| say!("{msg}"))?;
+    let (models, name) = bench_models(&args, |cfg| bench::check_options(&opts, cfg))?;
+    let report = bench::run(&models, &name, &opts, |msg| say!("{msg}"))?;
     if args.json {
         emit(&format!("{}\n", serde_json::to_string(&report)?))?;
     } else {
@@ -965,15 +965,13 @@ fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
     Ok(())
 }
 
-/// `bench --concurrency`: many streams through the engine, on a checkpoint or the random preset.
-fn run_concurrency_bench(args: &BenchArgs, levels: &str) -> Result<()> {
-    let levels = levels
-        .split(',')
-        .map(|l| l.trim().parse::<usize>().map_err(|_| anyhow!("--concurrency: {l:?} is not a number of streams")))
-        .collect::<Result<Vec<_>>>()?;
-    let (models, name) = match &args.model {
+/// The model `bench` measures: `--model DIR [--assistant DIR]`, or the random preset with its random
+/// drafter.
+fn bench_models(args: &BenchArgs, check: impl Fn(&TextConfig) -> Result<()>) -> Result<(Models, String)> {
+    match &args.model {
         Some(dir) => {
             let target = TargetModel::load(dir)?;
+            check(&target.cfg)?;
             let assistant = match &args.assistant {
                 Some(a) => {
                     let a = Assistant::load(a).context("cannot load the assistant")?;
@@ -982,22 +980,31 @@ fn run_concurrency_bench(args: &BenchArgs, levels: &str) -> Result<()> {
                 }
                 None => None,
             };
-            (Models { target, assistant, tokenizer: None, template: None }, dir.display().to_string())
+            let name = match &args.assistant {
+                Some(a) => format!("{} with {}", dir.display(), a.display()),
+                None => dir.display().to_string(),
+            };
+            Ok((Models { target, assistant, tokenizer: None, template: None }, name))
         }
         None => {
             if args.assistant.is_some() {
                 bail!("--assistant needs --model (the random model comes with its own random drafter)");
             }
             let preset = Preset::parse(&args.preset)?;
-            let cfg = preset.config(args.layers)?;
+            check(&preset.config(args.layers)?)?;
             say!("building a random {preset:?} model with {} layers and its drafter in memory...", args.layers);
-            let target = bench::random_model(&cfg, 7)?;
-            let assistant = bench::random_assistant(&preset.assistant_config(&cfg)?, 11)?;
-            let name =
-                format!("random {preset:?} dims, {} layers, with a random drafter (nothing accepted)", args.layers);
-            (Models { target, assistant: Some(assistant), tokenizer: None, template: None }, name)
+            bench::random_models(preset, args.layers)
         }
-    };
+    }
+}
+
+/// `bench --concurrency`: many streams through the engine, on a checkpoint or the random preset.
+fn run_concurrency_bench(args: &BenchArgs, levels: &str) -> Result<()> {
+    let levels = levels
+        .split(',')
+        .map(|l| l.trim().parse::<usize>().map_err(|_| anyhow!("--concurrency: {l:?} is not a number of streams")))
+        .collect::<Result<Vec<_>>>()?;
+    let (models, name) = bench_models(args, |_| Ok(()))?;
     let draft = match (&args.draft_tokens, args.no_draft, &models.assistant) {
         (_, true, _) | (None, false, None) => None,
         (Some(k), false, _) => Some(DraftLength::parse(k)?),

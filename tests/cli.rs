@@ -341,3 +341,34 @@ fn pair_bench_reports_acceptance_and_identical_output() {
     assert!(err.contains("no list of token ids") && err.lines().count() == 1, "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bench_measures_a_checkpoint_through_the_engine() {
+    let t1 = fixture_dir("t1-bf16").display().to_string();
+    let d4 = fixture_dir("d4-trained").display().to_string();
+    let pair = ["bench", "--model", &t1, "--assistant", &d4];
+    let sizes = ["--prefill", "16", "--decode", "8", "--rows", "3", "--draft-steps", "2", "--json"];
+    let args: Vec<&str> = pair.iter().chain(&sizes).copied().collect();
+    let (code, out, err) = tandem(&args);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(v["model"].as_str().unwrap().contains("t1-bf16"), "{v}");
+    for key in ["prefill_tokens_per_s", "decode_tokens_per_s", "draft_step_ms", "machine_read_gb_per_s"] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
+    }
+    assert_eq!(v["rows"].as_array().unwrap().len(), 3);
+    assert_eq!(v["draft_head"], "tied");
+    let sp = &v["speculative"];
+    assert_eq!(sp["draft_tokens"], "4");
+    assert!(sp["decode_tokens_per_s"].as_f64().is_some_and(|x| x > 0.0), "{sp}");
+    // d4-trained was fitted to t1-bf16: its drafts are accepted.
+    assert!(sp["mean_accepted_per_round"].as_f64().unwrap() > 0.5, "{sp}");
+    assert_eq!(v["projected_speedup"].as_array().unwrap().len(), 2);
+    // Without an assistant: no drafting figures; an assistant without a model is refused.
+    let (code, out, err) =
+        tandem(&["bench", "--model", &t1, "--prefill", "8", "--decode", "4", "--rows", "2", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(v["speculative"].is_null() && v["draft_head"].is_null(), "{v}");
+    expect_error(&["bench".into(), "--assistant".into(), d4.clone()], "--assistant needs --model");
+}
