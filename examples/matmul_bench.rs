@@ -23,6 +23,8 @@ struct Args {
     /// `--align N`: weight data starts N bytes past a 64-byte boundary (default: wherever `malloc`
     /// puts it). Memory-mapped tensors are generally not 64-byte aligned.
     align: Option<usize>,
+    /// `--huge`: weights in 2 MiB-aligned memory advised `MADV_HUGEPAGE` (transparent huge pages).
+    huge: bool,
 }
 
 fn parse_args() -> Args {
@@ -35,6 +37,7 @@ fn parse_args() -> Args {
         ms: None,
         shape: None,
         align: None,
+        huge: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -65,6 +68,7 @@ fn parse_args() -> Args {
             }
             "--align" => a.align = it.next().and_then(|s| s.parse().ok()).map(|n: usize| n % 64 / 2 * 2),
             "--quick" => a.quick = true,
+            "--huge" => a.huge = true,
             "--prefill" => a.prefill = true,
             "--small" => a.small = true,
             other => eprintln!("ignoring argument {other}"),
@@ -93,6 +97,19 @@ fn random_weights(dtype: DType, len: usize, seed: u64) -> Vec<u8> {
         }
     }
     out
+}
+
+/// `w` copied to a 2 MiB boundary of a buffer advised `MADV_HUGEPAGE` before it is first touched.
+fn huge_copy(w: &[u8]) -> Vec<u8> {
+    let mut buf: Vec<u8> = Vec::with_capacity(w.len() + (2 << 20));
+    let off = buf.as_ptr().align_offset(2 << 20);
+    // SAFETY: the range lies inside `buf`'s allocation; madvise only changes how it is backed.
+    unsafe {
+        libc::madvise(buf.as_mut_ptr().add(off) as *mut libc::c_void, w.len(), libc::MADV_HUGEPAGE);
+    }
+    buf.resize(off, 0);
+    buf.extend_from_slice(w);
+    buf
 }
 
 /// Times of `m`-row calls, cycling through `mats` (every copy touched once, untimed, first).
@@ -136,15 +153,20 @@ fn bench_shape(a: &Args, rows: usize, cols: usize, ms: &[usize]) {
     let bufs: Vec<Vec<u8>> = (0..copies)
         .map(|i| {
             let w = random_weights(a.dtype, rows * cols, 0x9e37 + i as u64);
-            match a.align {
-                None => w,
-                Some(_) => [vec![0u8; 128], w].concat(),
+            match (a.align, a.huge) {
+                (_, true) => huge_copy(&w),
+                (None, false) => w,
+                (Some(_), false) => [vec![0u8; 128], w].concat(),
             }
         })
         .collect();
     let mats: Vec<MatRef> = bufs
         .iter()
         .map(|b| match a.align {
+            _ if a.huge => {
+                let off = b.as_ptr().align_offset(2 << 20);
+                MatRef::new(a.dtype, rows, cols, &b[off..off + bytes])
+            }
             None => MatRef::new(a.dtype, rows, cols, b),
             Some(n) => {
                 let off = b.as_ptr().align_offset(64) + n;
