@@ -30,6 +30,10 @@ struct Cli {
     /// Worker threads (default: all cores).
     #[arg(long, global = true, allow_hyphen_values = true)]
     threads: Option<usize>,
+    /// Copy the weights into memory backed by transparent huge pages instead of memory-mapping the files
+    /// (faster decoding where the machine allows huge pages; costs a copy at load).
+    #[arg(long, global = true)]
+    huge_pages: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -269,6 +273,7 @@ fn run(cli: Cli) -> Result<()> {
         .num_threads(threads)
         .build_global()
         .map_err(|e| anyhow!("cannot start {threads} threads: {e}"))?;
+    tandem::weights::use_huge_pages(cli.huge_pages);
     match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Chat(args) => run_chat(args),

@@ -8,17 +8,19 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
-use memmap2::Mmap;
+use memmap2::{Advice, Mmap, MmapMut};
 use safetensors::tensor::Dtype as StDtype;
 use safetensors::{SafeTensorError, SafeTensors};
 use serde_json::Value;
 
 use crate::kernels::{DType, MatRef};
 
-/// Bytes backing tensors: a read-only file mapping, or memory we own (random models for benchmarks).
+/// Bytes backing tensors: a read-only file mapping, memory we own (random models for benchmarks), or
+/// a copy in anonymous memory backed by huge pages (`--huge-pages`; see docs/engine.md, "Weights in memory").
 pub enum Buffer {
     Mapped(Mmap),
     Owned(Vec<u8>),
+    Huge { map: Mmap, off: usize, len: usize },
 }
 
 impl Buffer {
@@ -26,7 +28,47 @@ impl Buffer {
         match self {
             Buffer::Mapped(m) => m,
             Buffer::Owned(v) => v,
+            Buffer::Huge { map, off, len } => &map[*off..*off + *len],
         }
+    }
+}
+
+static HUGE_PAGES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// From now on, weights loaded (and random models built) are copied into anonymous memory advised to use
+/// transparent huge pages, instead of staying memory-mapped: one TLB entry covers 2 MiB instead of 4 KiB
+/// while a decode step streams through them. Costs a copy of the weights at load and memory the kernel
+/// cannot reclaim as it can the page cache.
+pub fn use_huge_pages(on: bool) {
+    HUGE_PAGES.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn huge_pages() -> bool {
+    HUGE_PAGES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+const HUGE_PAGE: usize = 2 << 20;
+
+/// `len` bytes of anonymous memory starting on a 2 MiB boundary, advised `MADV_HUGEPAGE`, filled by
+/// `fill` and then made read-only.
+fn huge_buffer(len: usize, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<Buffer> {
+    let total = len.checked_add(HUGE_PAGE).ok_or_else(|| anyhow!("{len} bytes do not fit in memory"))?;
+    let mut map = MmapMut::map_anon(total).with_context(|| format!("cannot allocate {len} bytes for the weights"))?;
+    let off = map.as_ptr().align_offset(HUGE_PAGE).min(HUGE_PAGE);
+    // Only advice: where transparent huge pages are off, the memory is simply backed by small pages.
+    let _ = map.advise_range(Advice::HugePage, off, len);
+    fill(&mut map[off..off + len])?;
+    let map = map.make_read_only().context("cannot make the weight copy read-only")?;
+    Ok(Buffer::Huge { map, off, len })
+}
+
+/// Before the first forward pays for it page by page, map every page of a file mapping that fits in free
+/// memory (as llama.cpp's `MAP_POPULATE`); one that does not fit is left to page in on demand.
+fn populate(mmap: &Mmap) {
+    let fits = crate::system::available_memory_bytes().is_some_and(|free| (mmap.len() as u64) < free / 2);
+    if fits && mmap.advise(Advice::PopulateRead).is_err() {
+        // Kernels before 5.14 have no MADV_POPULATE_READ: at least start reading ahead.
+        let _ = mmap.advise(Advice::WillNeed);
     }
 }
 
@@ -79,14 +121,15 @@ impl Tensor {
     pub fn owned(name: &str, dtype: DType, shape: Vec<usize>, data: Vec<u8>) -> Tensor {
         assert_eq!(data.len(), shape.iter().product::<usize>() * dtype.size());
         let len = data.len();
-        Tensor {
-            name: name.to_string(),
-            dtype: StoredDtype::Float(dtype),
-            shape,
-            buf: Arc::new(Buffer::Owned(data)),
-            offset: 0,
-            len,
-        }
+        let buf = match huge_pages() && len >= HUGE_PAGE {
+            true => huge_buffer(len, |dst| {
+                dst.copy_from_slice(&data);
+                Ok(())
+            })
+            .unwrap_or(Buffer::Owned(data)),
+            false => Buffer::Owned(data),
+        };
+        Tensor { name: name.to_string(), dtype: StoredDtype::Float(dtype), shape, buf: Arc::new(buf), offset: 0, len }
     }
 
     pub fn owned_i64(name: &str, values: &[i64]) -> Tensor {
@@ -276,7 +319,16 @@ fn load_file(path: &Path, out: &mut HashMap<String, Tensor>) -> Result<()> {
         .map_err(|e| anyhow!("{}: {}", path.display(), describe_header_error(&mmap, e)))?;
     let data_start = 8 + header_len;
     let file_len = mmap.len();
-    let buf = Arc::new(Buffer::Mapped(mmap));
+    let buf = Arc::new(if huge_pages() {
+        huge_buffer(file_len, |dst| {
+            dst.copy_from_slice(&mmap);
+            Ok(())
+        })
+        .with_context(|| format!("{}: cannot copy into huge pages", path.display()))?
+    } else {
+        populate(&mmap);
+        Buffer::Mapped(mmap)
+    });
     for (name, info) in meta.tensors() {
         let (start, end) = info.data_offsets;
         let dtype = StoredDtype::from_st(info.dtype);

@@ -6,13 +6,16 @@ use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 /// Issues a tile call's share of the next tile's prefetch (a `Pf`), `per` cache lines per
 /// kernel step.
 pub(super) struct Prefetch {
-    /// Start of the current piece, offset within it, and the pieces left after it.
+    /// Start of the current piece, offset within it, and the pieces left after it. A single piece
+    /// (whole weight rows, one contiguous range: every call at decode sizes) takes the short path in
+    /// `step`, a pointer running to `end`.
     row: *const u8,
     off: usize,
     rows_left: usize,
     piece: usize,
     stride: usize,
     per: usize,
+    end: *const u8,
 }
 
 impl Prefetch {
@@ -20,17 +23,29 @@ impl Prefetch {
     pub(super) fn new(t: &Tile) -> Self {
         let pf = t.pf;
         let rows_left = if pf.piece == 0 { 0 } else { pf.rows };
-        Prefetch { row: pf.span.as_ptr(), off: 0, rows_left, piece: pf.piece, stride: pf.stride, per: pf.per }
+        let row = pf.span.as_ptr();
+        let end = if rows_left == 1 { row.wrapping_add(pf.piece) } else { row };
+        Prefetch { row, off: 0, rows_left, piece: pf.piece, stride: pf.stride, per: pf.per, end }
     }
 
     #[inline(always)]
     pub(super) fn step(&mut self) {
+        if self.rows_left == 1 {
+            let mut n = self.per;
+            while n > 0 && self.row < self.end {
+                // SAFETY: a prefetch has no architectural effect and never faults; the address is
+                // inside the `Pf`'s span anyway.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(self.row as *const i8) };
+                self.row = self.row.wrapping_add(64);
+                n -= 1;
+            }
+            return;
+        }
         for _ in 0..self.per {
             if self.rows_left == 0 {
                 return;
             }
-            // SAFETY: a prefetch has no architectural effect and never faults; the address is
-            // inside the `Pf`'s span anyway.
+            // SAFETY: as above.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(self.row.wrapping_add(self.off) as *const i8) };
             self.off += 64;
             if self.off >= self.piece {
