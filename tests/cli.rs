@@ -372,3 +372,22 @@ fn bench_measures_a_checkpoint_through_the_engine() {
     assert!(v["speculative"].is_null() && v["draft_head"].is_null(), "{v}");
     expect_error(&["bench".into(), "--assistant".into(), d4.clone()], "--assistant needs --model");
 }
+
+#[test]
+fn huge_page_copies_give_the_same_tokens_as_mapped_files() {
+    let t1 = fixture_dir("t1-bf16");
+    let d4 = fixture_dir("d4-trained").display().to_string();
+    let extra = ["--assistant", &d4, "--max-new-tokens", "12", "--ignore-eos", "--json"];
+    let mut args = gen_args(&t1, &extra);
+    let run = |args: &[String]| {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, out, err) = tandem(&refs);
+        assert_eq!(code, 0, "{err}");
+        let v: Value = serde_json::from_str(out.trim()).unwrap();
+        v["tokens"].clone()
+    };
+    let mapped = run(&args);
+    args.insert(0, "--huge-pages".into());
+    assert_eq!(run(&args), mapped);
+    assert_eq!(mapped.as_array().unwrap().len(), 12);
+}
