@@ -4,7 +4,7 @@
 //! masked 16-bit loads, so a K tail shorter than a vector is copied into a zeroed stack buffer
 //! first; f32 tails use `vmaskmovps` (masked-off lanes never fault).
 
-use super::tiling::{pack_panels, Plan, Tile};
+use super::tiling::{pack_panels, Plan, Tile, L1_BUDGET};
 use super::x86::{drive, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
@@ -15,19 +15,23 @@ pub fn supported() -> bool {
 }
 
 /// Tile shape for `m` activation rows, ≤ 12 accumulators (16 ymm registers in all): a single
-/// group, i.e. one pass over the weights, up to m = 4; larger m in groups of 4 with K chunks, each
-/// chunk of a weight tile read from memory once and from L1 by the other groups.
+/// group, i.e. one pass over the weights, up to m = 4; larger m in groups of at most 4 (as equal as
+/// they come) with K chunks, each chunk of a weight tile read from memory once and from L1 by the
+/// other groups.
 ///
 /// With 8 lanes, 5 or more x rows of work per weight are compute-bound on the AVX2 machines measured
 /// (Zen 3): a single group of m = 5..12 against one weight row (`(1, m)`) loads 2m x vectors per
 /// weight vector, and once the panel outgrows L1 those come from L2 and the FMAs wait for them. In
 /// groups of 4 against 2 weight rows the x chunk stays in L1: `matmul_bench` at [6144, 1536] measured
 /// m = 5 / 6 / 8 at 1.60 / 1.65 / 1.99x the time of m = 1, against 2.36 / 2.35 / 3.01x with `(1, m)`.
+/// For m = 3, 4 the same holds once the x panel outgrows L1 (the down projection's K = 6144: groups of
+/// 2 against 4 weight rows took m = 3 / 4 from 1.37 / 1.87x to 1.14 / 1.28x).
 fn plan(m: usize, k: usize, step: usize, x_bytes: usize, w_bytes: usize) -> Plan {
     let (rows, group) = match m {
         0..=2 => (4, m.max(1)),
-        3..=4 => (2, m),
-        _ => (2, 4),
+        3..=4 if m * k * x_bytes <= L1_BUDGET => (2, m),
+        3..=4 => (4, 2),
+        _ => (2, m.div_ceil(m.div_ceil(4))),
     };
     Plan::new(m, k, rows, group, step, x_bytes, w_bytes)
 }
