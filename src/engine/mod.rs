@@ -709,8 +709,27 @@ pub struct Engine {
     thread: Option<JoinHandle<()>>,
 }
 
+/// What the scheduler looks like after a step (for a server's metrics; docs/serve.md).
+#[derive(Clone, Debug, Default)]
+pub struct StepSnapshot {
+    pub report: StepReport,
+    /// Requests waiting for admission, and sequences running, after the step.
+    pub waiting: usize,
+    pub active: usize,
+    /// K/V bytes reserved by running sequences plus those held by the pool.
+    pub kv_in_use: usize,
+}
+
+/// Called on the scheduler thread after every step; it must be quick.
+pub type StepObserver = Box<dyn FnMut(&StepSnapshot) + Send>;
+
 impl Engine {
     pub fn start(models: Models, limits: Limits) -> Engine {
+        Engine::start_observed(models, limits, None)
+    }
+
+    /// [`Engine::start`], with an observer that sees every step (and the idle state once work runs out).
+    pub fn start_observed(models: Models, limits: Limits, mut observer: Option<StepObserver>) -> Engine {
         let models = Arc::new(models);
         let (tx, rx) = mpsc::channel::<Msg>();
         let m = models.clone();
@@ -735,7 +754,11 @@ impl Engine {
                         }
                         next = rx.try_recv().ok();
                     }
-                    s.step();
+                    let report = s.step();
+                    if let Some(obs) = observer.as_mut() {
+                        let (waiting, active) = s.load();
+                        obs(&StepSnapshot { report, waiting, active, kv_in_use: s.kv_in_use() });
+                    }
                     if let Some(d) = delay {
                         std::thread::sleep(d);
                     }
