@@ -731,7 +731,8 @@ mod tests {
         let mut s = Sampler::new(p);
         assert_eq!(s.sample(&[3.0, 2.0], &[0]), 0); // the prompt's 0 is not counted
         assert_eq!(s.sample(&[3.0, 2.0], &[0, 0]), 1); // the generated 0 is: 3 - 2 < 2
-                                                       // A start past the history counts nothing; ids beyond the row are ignored.
+
+        // A start past the history counts nothing; ids beyond the row are ignored.
         let p = SamplingParams { frequency_penalty: 1.0, penalty_start: 9, ..sampling(1.0) };
         assert_eq!(processed(p.clone(), &[1.0, 1.0], &[0, 1]), vec![1.0, 1.0]);
         let p = SamplingParams { penalty_start: 0, ..p };
