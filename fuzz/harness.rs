@@ -266,7 +266,15 @@ pub fn params(data: &[u8]) {
     let _ = parse_stop(next());
     let (Ok(seed), Ok(top_k)) = (seed, top_k) else { return };
     let [Ok(temperature), Ok(top_p), Ok(min_p), Ok(repeat_penalty)] = floats[..] else { return };
-    let params = SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty, seed: seed.unwrap_or(7) };
+    let params = SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repeat_penalty,
+        seed: seed.unwrap_or(7),
+        ..SamplingParams::default()
+    };
     if params.validate().is_err() {
         return;
     }

@@ -278,6 +278,9 @@ struct Active<'m> {
     /// `auto` rounds since this sequence last drafted, and rounds in all (for probes).
     idle_rounds: usize,
     rounds: usize,
+    /// Log-probabilities already sent in `Tokens` events (the sequence records them when it absorbs a
+    /// forward, before its tokens are committed).
+    logprobs_sent: usize,
 }
 
 /// `auto` rounds without drafting after which a sequence drafts one token, to refresh its estimates;
@@ -427,6 +430,7 @@ impl<'m> Scheduler<'m> {
                 cancel: w.cancel,
                 idle_rounds: 0,
                 rounds: 0,
+                logprobs_sent: 0,
             });
         }
     }
@@ -556,7 +560,6 @@ impl<'m> Scheduler<'m> {
         // Commit what each sequence decided; retire the ones that ended.
         for a in self.active.iter_mut() {
             if a.seq.phase() == Phase::Commit {
-                let before = a.seq.generation().logprobs.len();
                 let (stream, stream_err) = (&mut a.stream, &mut a.stream_err);
                 let mut text = String::new();
                 let ids = a.seq.commit(|ts| match stream.as_mut().map(|s| s.push(ts)) {
@@ -571,7 +574,8 @@ impl<'m> Scheduler<'m> {
                     }
                 });
                 let lp = &a.seq.generation().logprobs;
-                let logprobs = lp[before.min(lp.len())..].to_vec();
+                let logprobs = lp[a.logprobs_sent.min(lp.len())..].to_vec();
+                a.logprobs_sent = lp.len();
                 if !ids.is_empty() || !text.is_empty() {
                     let _ = a.tx.send(Event::Tokens { ids, text, logprobs });
                 }

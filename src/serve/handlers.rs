@@ -101,10 +101,7 @@ pub async fn tokenize(State(st): St, b: Result<Bytes, BytesRejection>) -> Respon
             (Some(Value::String(p)), None) => {
                 tok.encode(p, special).map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?
             }
-            (None, Some(_)) => {
-                let (job, _) = request::chat_job(&chat_only(&obj), &loaded)?;
-                job.prompt_ids
-            }
+            (None, Some(_)) => request::chat_prompt(&obj, &loaded)?.0,
             (Some(_), None) => return Err(ApiError::invalid("prompt", "`prompt` must be a string")),
             _ => return Err(ApiError::bad_request("give either `prompt` (a string) or `messages`")),
         };
@@ -114,18 +111,6 @@ pub async fn tokenize(State(st): St, b: Result<Bytes, BytesRejection>) -> Respon
         Ok(v) => Json(v).into_response(),
         Err(e) => fail(e),
     }
-}
-
-/// The chat fields of a /tokenize body (with a budget of one token, so that a long prompt still counts).
-fn chat_only(obj: &Map<String, Value>) -> Map<String, Value> {
-    let mut m = Map::new();
-    for k in ["messages", "tools", "chat_template_kwargs", "tool_choice"] {
-        if let Some(v) = obj.get(k) {
-            m.insert(k.into(), v.clone());
-        }
-    }
-    m.insert("max_tokens".into(), json!(1));
-    m
 }
 
 pub async fn detokenize(State(st): St, b: Result<Bytes, BytesRejection>) -> Response {

@@ -459,7 +459,7 @@ pub fn start(cfg: ServerConfig) -> Result<Server> {
     let stop2 = stop.clone();
     let thread = std::thread::Builder::new().name("tandem-serve".into()).spawn(move || {
         runtime.block_on(async move {
-            let failed: Arc<OnceLock<anyhow::Error>> = Arc::new(OnceLock::new());
+            let failed: Arc<std::sync::Mutex<Option<anyhow::Error>>> = Arc::default();
             let drain = Arc::new(tokio::sync::Notify::new());
             // Load in the background: /health answers 503 meanwhile.
             {
@@ -468,9 +468,12 @@ pub fn start(cfg: ServerConfig) -> Result<Server> {
                     Ok(l) => {
                         let _ = state.loaded.set(Arc::new(l));
                         let _ = state.phase.compare_exchange(LOADING, READY, Ordering::SeqCst, Ordering::SeqCst);
+                        eprintln!("tandem serve: ready");
                     }
                     Err(e) => {
-                        let _ = failed.set(e);
+                        if let Ok(mut f) = failed.lock() {
+                            *f = Some(e);
+                        }
                         drain.notify_one();
                     }
                 });
@@ -500,7 +503,7 @@ pub fn start(cfg: ServerConfig) -> Result<Server> {
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 waited += 1;
             }
-            if let Some(e) = Arc::try_unwrap(failed).ok().and_then(|f| f.into_inner()) {
+            if let Some(e) = failed.lock().ok().and_then(|mut f| f.take()) {
                 return Err(e.context("cannot load the model"));
             }
             result

@@ -588,6 +588,19 @@ pub fn chat_job(obj: &Map<String, Value>, loaded: &Loaded) -> Result<(Job, usize
         }
         None
     };
+    let (ids, has_tools) = chat_prompt(obj, loaded)?;
+    let (stream, include_usage) = (c.stream, c.include_usage);
+    let (request, prompt_ids, draft) = build(loaded, c, ids, logprobs)?;
+    Ok((
+        Job { endpoint: Endpoint::Chat, prompt_ids, request, stream, include_usage, logprobs, tools: has_tools, draft },
+        unknown,
+    ))
+}
+
+/// A chat body's prompt: its messages, tools and template arguments rendered and tokenized; and whether
+/// it offered tools.
+pub fn chat_prompt(obj: &Map<String, Value>, loaded: &Loaded) -> Result<(Vec<u32>, bool), ApiError> {
+    let f = Fields { obj };
     let models = loaded.engine.models();
     let (Some(tok), Some(template)) = (models.tokenizer.as_ref(), loaded.template.as_ref()) else {
         return Err(ApiError::bad_request(
@@ -648,12 +661,7 @@ pub fn chat_job(obj: &Map<String, Value>, loaded: &Loaded) -> Result<(Job, usize
     let ids = tok
         .encode(&text, false)
         .map_err(|e| ApiError::invalid("messages", format!("cannot tokenize the prompt: {e:#}")))?;
-    let (stream, include_usage) = (c.stream, c.include_usage);
-    let (request, prompt_ids, draft) = build(loaded, c, ids, logprobs)?;
-    Ok((
-        Job { endpoint: Endpoint::Chat, prompt_ids, request, stream, include_usage, logprobs, tools: has_tools, draft },
-        unknown,
-    ))
+    Ok((ids, has_tools))
 }
 
 /// A `/v1/completions` body → a job (a text prompt with the tokenizer's BOS, or token ids as given).
