@@ -246,6 +246,22 @@ fn logprobs_tokenize_and_detokenize() {
         assert_eq!(e["top_logprobs"][0]["logprob"], e["logprob"]);
         assert_eq!(e["bytes"].as_array().unwrap().len(), e["token"].as_str().unwrap().len());
     }
+    // Streamed, the log-probabilities arrive with their tokens: as many, the same values.
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": USER}], "max_tokens": 6, "temperature": 0,
+            "logprobs": true, "top_logprobs": 3, "stream": true, "draft_tokens": 4}),
+    );
+    let events = r.events();
+    let streamed: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .flat_map(|e| {
+            let c: Value = serde_json::from_str(e).unwrap();
+            c["choices"][0]["logprobs"]["content"].as_array().cloned().unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(&streamed, lp);
     let r =
         post(addr, "/v1/completions", &json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logprobs": 2}));
     let l = &r.json()["choices"][0]["logprobs"];
