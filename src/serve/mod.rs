@@ -108,6 +108,31 @@ pub struct ServerConfig {
     pub step_delay: Option<Duration>,
 }
 
+impl ServerConfig {
+    /// A server for `model` (and `assistant`) on 127.0.0.1:0 (a free port), with the command's defaults and
+    /// no signal handling: what tests and the fuzz harness start from.
+    pub fn new(model: PathBuf, assistant: Option<PathBuf>) -> ServerConfig {
+        ServerConfig {
+            model,
+            assistant,
+            addr: "127.0.0.1:0".into(),
+            api_key: None,
+            served_model_name: "tandem".into(),
+            max_concurrency: 64,
+            max_queue: 256,
+            max_body_bytes: 4 << 20,
+            context: None,
+            kv_bytes: None,
+            draft: None,
+            chat_template: None,
+            cors: Vec::new(),
+            shutdown_grace: Duration::from_secs(30),
+            handle_signals: false,
+            step_delay: None,
+        }
+    }
+}
+
 /// `8G`, `512M`, `64K` or a number of bytes.
 pub fn parse_size(s: &str) -> Result<usize> {
     let t = s.trim();
@@ -250,7 +275,8 @@ pub struct Loaded {
     pub draft_off: bool,
 }
 
-fn load(cfg: &ServerConfig) -> Result<Loaded> {
+/// Load the models and start the engine (what a server does before it turns ready).
+pub fn load(cfg: &ServerConfig) -> Result<Loaded> {
     let model = TargetModel::load(&cfg.model)?;
     let vocab = model.cfg.vocab_size;
     let tokenizer = if has_tokenizer(&cfg.model) {
