@@ -434,6 +434,18 @@ fn api_key_body_limit_and_queue_limit() {
         assert!(t.elapsed() < Duration::from_secs(3), "the disconnected request was not cancelled");
         std::thread::sleep(Duration::from_millis(20));
     }
+    // The same for a client that waits for a whole (non-streamed) reply and hangs up.
+    let whole =
+        json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200, "ignore_eos": true}).to_string();
+    let held = send_request(addr, "POST", "/v1/chat/completions", &key, whole.as_bytes());
+    std::thread::sleep(Duration::from_millis(150));
+    assert_eq!(request(addr, "POST", "/v1/chat/completions", &key, body.as_bytes()).status, 429);
+    drop(held);
+    let t = Instant::now();
+    while request(addr, "POST", "/v1/chat/completions", &key, body.as_bytes()).status != 200 {
+        assert!(t.elapsed() < Duration::from_secs(3), "the disconnected request was not cancelled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let metrics = request(addr, "GET", "/metrics", &key, b"").text();
     assert!(metrics.contains("outcome=\"cancelled\""), "{metrics}");
 }
