@@ -530,3 +530,17 @@ fn openai_tool_messages_render_through_the_gemma4_template() {
     );
     assert_eq!(r.json()["tokens"], g["ids"]);
 }
+
+#[test]
+fn a_request_larger_than_the_kv_budget_is_a_400_and_a_smaller_one_runs() {
+    let mut cfg = config();
+    cfg.kv_bytes = Some(512 << 10);
+    let server = serve(cfg);
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let r = post(server.addr(), "/v1/chat/completions", &json!({"messages": msgs, "max_tokens": 2000}));
+    let (s, e) = error_of(&r);
+    assert_eq!(s, 400);
+    assert!(e["message"].as_str().unwrap().contains("K/V"), "{e}");
+    let r = post(server.addr(), "/v1/chat/completions", &json!({"messages": msgs, "max_tokens": 4}));
+    assert_eq!(r.status, 200, "{}", r.text());
+}

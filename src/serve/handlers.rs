@@ -195,8 +195,14 @@ async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint:
     let handle = match tokio::task::spawn_blocking(move || l2.engine.submit(engine_req)).await {
         Ok(Ok(h)) => h,
         Ok(Err(e)) => {
+            let msg = format!("{e:#}");
+            // The engine's thread is gone: the server's fault, not the request's.
+            if msg.contains("the engine has stopped") {
+                metrics::request_done(endpoint_name(endpoint), "error");
+                return fail(ApiError::internal(msg));
+            }
             metrics::request_done(endpoint_name(endpoint), "rejected");
-            return fail(ApiError::bad_request(format!("{e:#}")));
+            return fail(ApiError::bad_request(msg));
         }
         Err(e) => return fail(ApiError::internal(format!("the request task failed: {e}"))),
     };
