@@ -392,6 +392,7 @@ fn bad_requests_are_400_with_the_parameter_named() {
 fn api_key_body_limit_and_queue_limit() {
     let mut cfg = config();
     cfg.api_key = Some("s3cret".into());
+    cfg.cors = vec!["http://app.example".into()];
     cfg.max_body_bytes = 2000;
     cfg.max_concurrency = 1;
     cfg.max_queue = 0;
@@ -407,6 +408,18 @@ fn api_key_body_limit_and_queue_limit() {
     assert_eq!(error_of(&request(addr, "GET", "/v1/models", &[], b"")).0, 401);
     assert_eq!(error_of(&request(addr, "GET", "/metrics", &[], b"")).0, 401);
     assert_eq!(request(addr, "GET", "/health", &[], b"").status, 200);
+    // A browser's preflight from the allowed origin is answered without the key; others get no grant.
+    let preflight = |origin| {
+        request(
+            addr,
+            "OPTIONS",
+            "/v1/chat/completions",
+            &[("Origin", origin), ("Access-Control-Request-Method", "POST")],
+            b"",
+        )
+    };
+    assert_eq!(preflight("http://app.example").header("access-control-allow-origin"), Some("http://app.example"));
+    assert_eq!(preflight("http://evil.example").header("access-control-allow-origin"), None);
     assert_eq!(request(addr, "POST", "/v1/chat/completions", &key, body.as_bytes()).status, 200);
     // Over the body limit: 413.
     let big = json!({"messages": [{"role": "user", "content": "x".repeat(5000)}]}).to_string();
