@@ -5,7 +5,7 @@ mod common;
 #[path = "serve_support/http.rs"]
 mod http;
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -556,4 +556,37 @@ fn a_request_larger_than_the_kv_budget_is_a_400_and_a_smaller_one_runs() {
     assert!(e["message"].as_str().unwrap().contains("K/V"), "{e}");
     let r = post(server.addr(), "/v1/chat/completions", &json!({"messages": msgs, "max_tokens": 4}));
     assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// While the model loads, /health and the API answer 503; then 200. Here the chat template is read from a
+/// FIFO (as `--chat-template <(...)` would be), so loading waits until the test writes it.
+#[test]
+fn health_is_503_while_loading_then_200() {
+    let dir = std::env::temp_dir().join(format!("tandem-serve-fifo-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("template.jinja");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let mut cfg = config();
+    cfg.chat_template = Some(fifo.clone());
+    let server = start(cfg).unwrap();
+    for _ in 0..3 {
+        let r = get(server.addr(), "/health");
+        assert_eq!(r.status, 503, "{}", r.text());
+        assert!(r.header("retry-after").is_some());
+        let (s, e) = error_of(&post(server.addr(), "/v1/completions", &json!({"prompt": [1, 2]})));
+        assert_eq!((s, e["type"].as_str()), (503, Some("service_unavailable")));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let template = "{% for m in messages %}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n{% endfor %}<|turn>model\n";
+    std::fs::OpenOptions::new().write(true).open(&fifo).unwrap().write_all(template.as_bytes()).unwrap();
+    let t = Instant::now();
+    while get(server.addr(), "/health").status != 200 {
+        assert!(t.elapsed() < Duration::from_secs(30), "never ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let v = chat(server.addr(), json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}));
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -32,8 +32,11 @@ fn fail(e: ApiError) -> Response {
 pub async fn health(State(st): St) -> Response {
     match st.ready() {
         Ok(_) => Json(json!({"status": "ok"})).into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unavailable", "error": e.body()["error"]})))
-            .into_response(),
+        Err(e) => {
+            let retry = [(axum::http::header::RETRY_AFTER, e.retry_after.unwrap_or(5).to_string())];
+            (StatusCode::SERVICE_UNAVAILABLE, retry, Json(json!({"status": "unavailable", "error": e.body()["error"]})))
+                .into_response()
+        }
     }
 }
 

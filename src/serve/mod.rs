@@ -484,7 +484,7 @@ pub fn start(cfg: ServerConfig) -> Result<Server> {
     let stop = Arc::new(tokio::sync::Notify::new());
     let stop2 = stop.clone();
     let thread = std::thread::Builder::new().name("tandem-serve".into()).spawn(move || {
-        runtime.block_on(async move {
+        let result = runtime.block_on(async move {
             let failed: Arc<std::sync::Mutex<Option<anyhow::Error>>> = Arc::default();
             let drain = Arc::new(tokio::sync::Notify::new());
             // Load in the background: /health answers 503 meanwhile.
@@ -533,7 +533,10 @@ pub fn start(cfg: ServerConfig) -> Result<Server> {
                 return Err(e.context("cannot load the model"));
             }
             result
-        })
+        });
+        // Blocking tasks still running (a load stuck on a slow disk or a pipe) are abandoned, not awaited.
+        runtime.shutdown_timeout(Duration::from_secs(1));
+        result
     })?;
     Ok(Server { addr, stop, thread: Some(thread) })
 }
