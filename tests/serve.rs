@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use http::{get, post, request, send_request};
-use tandem::serve::{start, Server, ServerConfig};
+use tandem::decode::generate::{FinishReason, Generation};
+use tandem::engine::{Event, Outcome};
+use tandem::serve::{start, Script, Server, ServerConfig};
 
 fn config() -> ServerConfig {
     let dir = common::shipped_dir();
@@ -35,6 +37,7 @@ fn config() -> ServerConfig {
         shutdown_grace: Duration::from_secs(5),
         handle_signals: false,
         step_delay: None,
+        script: None,
     }
 }
 
@@ -589,4 +592,89 @@ fn health_is_503_while_loading_then_200() {
     let v = chat(server.addr(), json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}));
     assert_eq!(v["usage"]["completion_tokens"], 3);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A scripted reply: these text pieces (one token each), then the end of turn.
+fn scripted(pieces: &'static [&'static str]) -> Script {
+    Script(std::sync::Arc::new(move |prompt: &[u32]| {
+        let mut events: Vec<Event> = pieces
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Event::Tokens { ids: vec![400 + i as u32], text: t.to_string(), logprobs: Vec::new() })
+            .collect();
+        let mut generation = Generation::new(prompt.len());
+        generation.tokens = (0..=pieces.len() as u32).map(|i| 400 + i).collect();
+        generation.finish_reason = FinishReason::Stop;
+        events.push(Event::Done(Box::new(Outcome {
+            prompt_ids: prompt.to_vec(),
+            generation,
+            spec: None,
+            text: Some(pieces.concat()),
+            stop_string: false,
+            inside_thinking: false,
+            cancelled: false,
+            draft: None,
+        })));
+        events
+    }))
+}
+
+/// A Gemma 4 reply that thinks, says something and calls a tool, cut into pieces across the markers.
+const TOOL_REPLY: &[&str] = &[
+    "<|chan",
+    "nel>thought\nThe user wants the weather; ",
+    "call the tool.<chan",
+    "nel|>Let me check.<|tool",
+    "_call>call:get_weather{location:<|\"|>Par",
+    "is<|\"|>,days:3}<tool_call|>",
+];
+
+/// The server's thinking and tool-call path end to end, with a scripted model (the shipped pair never
+/// thinks or calls tools): reasoning_content, content and tool_calls, whole and streamed; then the
+/// conversation goes on with the tool's result.
+#[test]
+fn scripted_thinking_and_tool_call_round_trip() {
+    let mut cfg = config();
+    cfg.script = Some(scripted(TOOL_REPLY));
+    let server = serve(cfg);
+    let addr = server.addr();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"location": {"type": "string"}, "days": {"type": "integer"}}}}}]);
+    let user = json!({"role": "user", "content": "Weather in Paris?"});
+    let v = chat(addr, json!({"messages": [user], "tools": tools}));
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    let m = &choice["message"];
+    assert_eq!(m["reasoning_content"], "The user wants the weather; call the tool.");
+    assert_eq!(m["content"], "Let me check.");
+    let call = &m["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert!(call["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"location": "Paris", "days": 3}));
+    assert_eq!(v["usage"]["completion_tokens"], TOOL_REPLY.len() + 1);
+    // Streamed: the same parts as deltas, the call as one tool_calls delta with its index.
+    let r = post(addr, "/v1/chat/completions", &json!({"messages": [user], "tools": tools, "stream": true}));
+    let events = r.events();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    let joined = |k: &str| deltas.iter().filter_map(|d| d[k].as_str()).collect::<String>();
+    assert_eq!(joined("reasoning_content"), m["reasoning_content"].as_str().unwrap());
+    assert_eq!(joined("content"), "Let me check.");
+    let calls: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).collect();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0][0]["index"], 0);
+    assert_eq!(calls[0][0]["function"], call["function"]);
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+    // Without tools offered, the call's text is content (nothing is parsed out of it).
+    let v = chat(addr, json!({"messages": [user]}));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("<|tool_call>call:get_weather"));
+    // The next turn sends the call and its result back; the conversation renders and runs.
+    let assistant = json!({"role": "assistant", "content": m["content"], "tool_calls": [call]});
+    let tool = json!({"role": "tool", "tool_call_id": call["id"], "content": "{\"sky\": \"clear\"}"});
+    let v = chat(addr, json!({"messages": [user, assistant, tool], "tools": tools}));
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
 }

@@ -132,6 +132,16 @@ impl Handle {
         self.cancel.clone()
     }
 
+    /// A handle that replays `events` and is then over: a scripted request, for testing code that reads
+    /// handles (the server's tool-call and thinking paths, which the shipped pair never exercises).
+    pub fn replay(events: Vec<Event>) -> Handle {
+        let (tx, rx) = mpsc::channel();
+        for e in events {
+            let _ = tx.send(e);
+        }
+        Handle { events: rx, cancel: Arc::new(AtomicBool::new(false)) }
+    }
+
     /// Wait for the end: the outcome, or the request's error.
     pub fn wait(self) -> Result<Outcome> {
         while let Some(e) = self.recv() {

@@ -195,7 +195,13 @@ async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint:
     let guard = Inflight(st.clone());
     let engine_req = job.request.clone();
     let l2 = loaded.clone();
-    let handle = match tokio::task::spawn_blocking(move || l2.engine.submit(engine_req)).await {
+    let script = st.cfg.script.clone();
+    let ids = job.prompt_ids.clone();
+    let submit = move || match script {
+        Some(s) => Ok(Handle::replay((s.0)(&ids))),
+        None => l2.engine.submit(engine_req),
+    };
+    let handle = match tokio::task::spawn_blocking(submit).await {
         Ok(Ok(h)) => h,
         Ok(Err(e)) => {
             let msg = format!("{e:#}");

@@ -106,6 +106,23 @@ pub struct ServerConfig {
     pub handle_signals: bool,
     /// A pause after every scheduler step (a test hook that makes requests long enough to interrupt).
     pub step_delay: Option<Duration>,
+    /// A test hook: requests are answered by this script instead of the engine (after all the checks).
+    pub script: Option<Script>,
+}
+
+/// What a scripted server answers a request with: the engine events for its prompt ids (see
+/// [`crate::engine::Handle::replay`]). Only tests set it: it exercises the reply paths (thinking, tool
+/// calls) that the shipped pair never produces.
+#[derive(Clone)]
+pub struct Script(pub Arc<ScriptFn>);
+
+/// A script: prompt ids in, engine events out.
+pub type ScriptFn = dyn Fn(&[u32]) -> Vec<crate::engine::Event> + Send + Sync;
+
+impl std::fmt::Debug for Script {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Script(..)")
+    }
 }
 
 impl ServerConfig {
@@ -129,6 +146,7 @@ impl ServerConfig {
             shutdown_grace: Duration::from_secs(30),
             handle_signals: false,
             step_delay: None,
+            script: None,
         }
     }
 }
@@ -218,6 +236,7 @@ impl ServeArgs {
             shutdown_grace: Duration::from_secs(self.shutdown_grace),
             handle_signals: true,
             step_delay,
+            script: None,
         })
     }
 }
