@@ -342,6 +342,7 @@ fn bad_requests_are_400_with_the_parameter_named() {
         (with("max_tokens", json!(0)), Some("max_tokens")),
         (with("max_tokens", json!(-1)), Some("max_tokens")),
         (with("max_tokens", json!(1_000_000)), Some("max_tokens")),
+        (with("max_completion_tokens", json!(1_000_000)), Some("max_completion_tokens")),
         (with("stop", json!(5)), Some("stop")),
         (with("stop", json!([""])), Some("stop")),
         (with("stream", json!("yes")), Some("stream")),

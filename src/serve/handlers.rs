@@ -237,7 +237,7 @@ async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint:
         let stream = futures_util::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|s| (Ok::<_, Infallible>(SseEvent::default().data(s)), rx))
         });
-        Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response()
+        Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(5))).into_response()
     } else {
         let (tx, rx) = oneshot::channel();
         tokio::task::spawn_blocking(move || {

@@ -90,6 +90,8 @@ impl<'a> Fields<'a> {
 /// The sampling and length parameters both endpoints share.
 struct Common {
     max_tokens: Option<usize>,
+    /// The field that set it (`max_tokens` or `max_completion_tokens`), for errors.
+    max_tokens_param: &'static str,
     sampling: SamplingParams,
     seed: Option<u64>,
     stop: Vec<String>,
@@ -218,8 +220,10 @@ fn parse_common(f: &Fields, loaded: &Loaded) -> Result<Common, ApiError> {
         (Some(a), _) | (None, Some(a)) => Some(a.min(usize::MAX as u64) as usize),
         (None, None) => None,
     };
+    let max_tokens_param =
+        if f.get("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" };
     if max_tokens == Some(0) {
-        let p = if f.get("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" };
+        let p = max_tokens_param;
         return Err(ApiError::invalid(p, format!("`{p}` must be at least 1")));
     }
     let (draft, draft_off) = parse_draft(f.get("draft_tokens"))?;
@@ -249,6 +253,7 @@ fn parse_common(f: &Fields, loaded: &Loaded) -> Result<Common, ApiError> {
     only_default(f, "n", |v| v.as_u64() == Some(1), "only one choice per request (`n`: 1)")?;
     Ok(Common {
         max_tokens,
+        max_tokens_param,
         sampling,
         seed,
         stop: parse_stop(f.get("stop"))?,
@@ -527,9 +532,13 @@ fn build(
     let room = ctx - ids.len();
     let max_new = match c.max_tokens {
         Some(m) if m > room => {
+            let p = c.max_tokens_param;
             let mut e = ApiError::invalid(
-                "max_tokens",
-                format!("the prompt is {} tokens and max_tokens is {m}, more than the context of {ctx} allows (at most {room})", ids.len()),
+                p,
+                format!(
+                    "the prompt is {} tokens and {p} is {m}, more than the context of {ctx} allows (at most {room})",
+                    ids.len()
+                ),
             );
             e.code = Some("context_length_exceeded");
             return Err(e);
