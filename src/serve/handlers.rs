@@ -193,28 +193,7 @@ async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint:
         return fail(ApiError::queue_full(cap));
     }
     let guard = Inflight(st.clone());
-    let engine_req = job.request.clone();
-    let l2 = loaded.clone();
-    let script = st.cfg.script.clone();
-    let ids = job.prompt_ids.clone();
-    let submit = move || match script {
-        Some(s) => Ok(Handle::replay((s.0)(&ids))),
-        None => l2.engine.submit(engine_req),
-    };
-    let handle = match tokio::task::spawn_blocking(submit).await {
-        Ok(Ok(h)) => h,
-        Ok(Err(e)) => {
-            let msg = format!("{e:#}");
-            // The engine's thread is gone: the server's fault, not the request's.
-            if msg.contains("the engine has stopped") {
-                metrics::request_done(endpoint_name(endpoint), "error");
-                return fail(ApiError::internal(msg));
-            }
-            metrics::request_done(endpoint_name(endpoint), "rejected");
-            return fail(ApiError::bad_request(msg));
-        }
-        Err(e) => return fail(ApiError::internal(format!("the request task failed: {e}"))),
-    };
+    let stream = job.stream;
     let ctx = Ctx {
         id: format!(
             "{}-{:016x}{:08x}",
@@ -228,22 +207,55 @@ async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint:
         t0,
     };
     let abort = st.abort.clone();
-    if ctx.job.stream {
+    let script = st.cfg.script.clone();
+    // Submitting and reading the events happen in one blocking task, so that a client that hangs up
+    // while the request is being submitted still cancels it (the task then finds its sink closed).
+    let (started_tx, started_rx) = oneshot::channel::<Result<(), ApiError>>();
+    let run = move |sink: Sink| {
+        let _guard = guard;
+        let submitted = match script {
+            Some(s) => Ok(Handle::replay((s.0)(&ctx.job.prompt_ids))),
+            None => loaded.engine.submit(ctx.job.request.clone()),
+        };
+        match submitted {
+            Ok(handle) => {
+                let _ = started_tx.send(Ok(()));
+                pump(&loaded.engine, handle, ctx, sink, &abort);
+            }
+            Err(e) => {
+                let msg = format!("{e:#}");
+                // The engine's thread is gone: the server's fault, not the request's.
+                let err = if msg.contains("the engine has stopped") {
+                    metrics::request_done(endpoint_name(endpoint), "error");
+                    ApiError::internal(msg)
+                } else {
+                    metrics::request_done(endpoint_name(endpoint), "rejected");
+                    ApiError::bad_request(msg)
+                };
+                let _ = started_tx.send(Err(err));
+            }
+        }
+    };
+    if stream {
         let (tx, rx) = mpsc::unbounded_channel::<String>();
-        tokio::task::spawn_blocking(move || {
-            let _guard = guard;
-            pump(&loaded.engine, handle, ctx, Sink::Stream(tx), &abort);
-        });
+        tokio::task::spawn_blocking(move || run(Sink::Stream(tx)));
+        match started_rx.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return fail(e),
+            Err(_) => return fail(ApiError::internal("the request task ended before it started")),
+        }
         let stream = futures_util::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|s| (Ok::<_, Infallible>(SseEvent::default().data(s)), rx))
         });
         Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(5))).into_response()
     } else {
         let (tx, rx) = oneshot::channel();
-        tokio::task::spawn_blocking(move || {
-            let _guard = guard;
-            pump(&loaded.engine, handle, ctx, Sink::Whole(Some(tx)), &abort);
-        });
+        tokio::task::spawn_blocking(move || run(Sink::Whole(Some(tx))));
+        match started_rx.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return fail(e),
+            Err(_) => return fail(ApiError::internal("the request task ended before it started")),
+        }
         match rx.await {
             Ok(Ok(v)) => Json(v).into_response(),
             Ok(Err(e)) => fail(e),
