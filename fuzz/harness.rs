@@ -26,6 +26,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("tokenizer", tokenizer),
     ("messages", messages),
     ("params", params),
+    ("requests", requests),
 ];
 
 /// Fuel for hostile templates: a twentieth of the default, so one input costs milliseconds, not seconds.
@@ -266,7 +267,15 @@ pub fn params(data: &[u8]) {
     let _ = parse_stop(next());
     let (Ok(seed), Ok(top_k)) = (seed, top_k) else { return };
     let [Ok(temperature), Ok(top_p), Ok(min_p), Ok(repeat_penalty)] = floats[..] else { return };
-    let params = SamplingParams { temperature, top_k, top_p, min_p, repeat_penalty, seed: seed.unwrap_or(7) };
+    let params = SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repeat_penalty,
+        seed: seed.unwrap_or(7),
+        ..SamplingParams::default()
+    };
     if params.validate().is_err() {
         return;
     }
@@ -279,4 +288,35 @@ pub fn params(data: &[u8]) {
     assert!(probs.iter().all(|p| p.is_finite()), "probabilities must be finite: {probs:?}");
     let id = sampler.sample(&logits, &history);
     assert!((id as usize) < logits.len(), "sampled id {id} outside the vocabulary");
+}
+
+/// (f) A request body for `tandem serve`: byte 0 picks the endpoint and model (bit 0: chat or completions;
+/// bit 1: the shipped pair, or the text fixture whose template renders tools), the rest is the JSON body,
+/// checked and turned into an engine request as the server does (nothing is generated). The same bytes,
+/// as model output text, go through the reply splitter (thinking, tool calls).
+pub fn requests(data: &[u8]) {
+    use tandem::serve::{output::OutputParser, request, Loaded, ServerConfig};
+    static LOADED: OnceLock<Vec<Loaded>> = OnceLock::new();
+    let loaded = LOADED.get_or_init(|| {
+        let root = repo_root();
+        let shipped = root.join("models/default");
+        let tiny = root.join("tests/fixtures/text-tiny");
+        let mut cfgs = vec![
+            ServerConfig::new(shipped.join("target"), Some(shipped.join("assistant"))),
+            ServerConfig::new(tiny, None),
+        ];
+        for c in &mut cfgs {
+            c.kv_bytes = Some(64 << 20);
+        }
+        cfgs.iter().map(|c| tandem::serve::load(c).expect("the fuzz models load")).collect()
+    });
+    let Some((&select, body)) = data.split_first() else { return };
+    let l = &loaded[usize::from(select & 2 != 0)];
+    if let Ok(obj) = request::parse_body(body) {
+        let _ = request::check_model(&obj, "tandem");
+        let _ = if select & 1 == 0 { request::chat_job(&obj, l) } else { request::completion_job(&obj, l) };
+    }
+    if let Ok(text) = std::str::from_utf8(body) {
+        let _ = OutputParser::split(text, select & 4 == 0);
+    }
 }

@@ -122,3 +122,23 @@ for m in [
 for p in ["2,17,33\n42\n40\n0.8\n0.95\n0.05\n1.1\n4\n\\n\\n", "1\n-1\n-1\n1\n1\n0\n1\nauto\nEND", "5, 6,\n0\n0\n0\n1\n0\n1\n1\nx",
           "1,2\n18446744073709551615\n1\n1e-4\n1e-30\n1\n100\n16\n<eos>", "\n\n\nnan\ninf\n-0\n1e39\n0\n"]:
     put("params", p.encode())
+
+# (f) requests: a selector byte (bit 0: completions, bit 1: the text fixture, bit 2: no tools in the
+# splitter), then a request body for tandem serve.
+for sel, body in [
+    (0, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 3,
+         "stop": ["\n"], "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2}),
+    (0, {"model": "tandem", "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+         {"role": "user", "content": "x"}], "draft_tokens": "auto", "presence_penalty": 1, "frequency_penalty": -1,
+         "logit_bias": {"5": -100, "7": 3}, "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.2, "n": 1}),
+    (2, {"messages": [{"role": "user", "content": "w?"}, {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{\"a\": [1, 2.5]}"}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "{\"t\": 21}"}],
+         "tools": [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}],
+         "tool_choice": "auto", "chat_template_kwargs": {"enable_thinking": True}}),
+    (1, {"prompt": "def f(x):", "max_tokens": 4, "logprobs": 3, "echo": False, "best_of": 1}),
+    (3, {"prompt": [[2, 5, 9]], "max_tokens": 2, "draft_tokens": 0}),
+    (0, {"messages": [], "n": 2, "response_format": {"type": "json_object"}, "temperature": "hot"}),
+]:
+    put("requests", bytes([sel]) + json.dumps(body).encode())
+put("requests", bytes([0]) + '<|channel>thought\nhm<channel|>ok<|tool_call>call:f{a:<|"|>x<|"|>,b:[1,{c:true}]}<tool_call|>'.encode())

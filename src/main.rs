@@ -46,6 +46,8 @@ enum Command {
     Chat(ChatArgs),
     /// Measure speed on a random-weight model at real Gemma 4 dimensions, built in memory.
     Bench(BenchArgs),
+    /// Serve an OpenAI-compatible HTTP API on the batched engine (docs/serve.md).
+    Serve(tandem::serve::ServeArgs),
 }
 
 /// `--seed`: a number, or `None` for a random one (-1).
@@ -278,6 +280,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate(args) => run_generate(args),
         Command::Chat(args) => run_chat(args),
         Command::Bench(args) => run_bench(args, threads),
+        Command::Serve(args) => tandem::serve::run(args),
     }
 }
 
@@ -344,6 +347,7 @@ fn open_session(
         min_p: run.min_p,
         repeat_penalty: run.repeat_penalty,
         seed: run.seed.0.unwrap_or_else(params::random_seed),
+        ..SamplingParams::default()
     };
     sampling.validate()?;
     let need = if run.stop.is_empty() || matches!(need, TextNeed::Required(_)) {

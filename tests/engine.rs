@@ -36,7 +36,15 @@ fn opts(m: &Models, max_new: usize, sampling: SamplingParams) -> GenerateOptions
 }
 
 fn sampled(seed: u64) -> SamplingParams {
-    SamplingParams { temperature: 0.9, top_k: 40, top_p: 0.95, min_p: 0.0, repeat_penalty: 1.1, seed }
+    SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        min_p: 0.0,
+        repeat_penalty: 1.1,
+        seed,
+        ..SamplingParams::default()
+    }
 }
 
 /// A deterministic pseudo-random prompt of `n` ids below `vocab` (avoiding the low special ids).

@@ -59,6 +59,11 @@ fn params() {
 }
 
 #[test]
+fn requests() {
+    replay("requests");
+}
+
+#[test]
 fn chunks_round_trip() {
     let parts: [&[u8]; 3] = [b"{}", b"", b"\0\x01"];
     assert_eq!(harness::chunks(&harness::join_chunks(&parts), 4), parts);

@@ -5,6 +5,8 @@
 //! order `GenerationMixin._get_logits_processor` builds them for a decoder-only model with one beam:
 //!
 //! 1. `RepetitionPenaltyLogitsProcessor` (a *processor*: applied in greedy mode too),
+//!    then the OpenAI API's `logit_bias` and presence/frequency penalties (also processors, as in vLLM;
+//!    all off by default, so a transformers run is unchanged),
 //! 2. only when sampling (`do_sample`, here `temperature > 0`), the *warpers*:
 //!    `TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`,
 //!    each with `min_tokens_to_keep = 1` and filter value `-inf`.
@@ -41,11 +43,33 @@ pub struct SamplingParams {
     pub repeat_penalty: f32,
     /// Seed of the sampler's RNG.
     pub seed: u64,
+    /// OpenAI's presence penalty in [-2, 2]: subtracted once from the logit of every id that occurs in
+    /// the history from `penalty_start` on (the generated tokens); 0 = off.
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty in [-2, 2]: subtracted from an id's logit once per occurrence from
+    /// `penalty_start` on; 0 = off.
+    pub frequency_penalty: f32,
+    /// Where the presence and frequency penalties start counting in the history (the prompt's length,
+    /// so that they count the generated tokens only, as OpenAI and vLLM do).
+    pub penalty_start: usize,
+    /// OpenAI's `logit_bias`: added to the logit of each id (ids outside the row are ignored), in [-100, 100].
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repeat_penalty: 1.0, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            penalty_start: 0,
+            logit_bias: Vec::new(),
+        }
     }
 }
 
@@ -79,12 +103,30 @@ impl SamplingParams {
         if !(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0) {
             return bad("repeat_penalty", self.repeat_penalty, "finite and > 0 (1 = off)");
         }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return bad("presence_penalty", self.presence_penalty, "in [-2, 2] (0 = off)");
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return bad("frequency_penalty", self.frequency_penalty, "in [-2, 2] (0 = off)");
+        }
+        if let Some(&(_, b)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return bad("logit_bias", b, "in [-100, 100]");
+        }
         Ok(())
     }
 
     /// Greedy decoding: `temperature == 0`.
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
+    }
+
+    /// Whether any processor changes the logits before the warpers (greedy decoding then takes the
+    /// argmax of the processed logits, not of the raw ones).
+    pub fn has_processors(&self) -> bool {
+        self.repeat_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || !self.logit_bias.is_empty()
     }
 }
 
@@ -171,6 +213,13 @@ impl Sampler {
         if p.repeat_penalty != 1.0 {
             repetition_penalty(logits, history, p.repeat_penalty);
         }
+        if !p.logit_bias.is_empty() {
+            logit_bias(logits, &p.logit_bias);
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let counted = history.get(p.penalty_start..).unwrap_or(&[]);
+            presence_frequency_penalty(logits, counted, p.presence_penalty, p.frequency_penalty);
+        }
         if p.is_greedy() {
             return None;
         }
@@ -226,7 +275,7 @@ impl Sampler {
     /// draw from [`Sampler::probs`], identical to `sample_from(&probs(..))` (one `next_f64`).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         if self.params.is_greedy() {
-            if self.params.repeat_penalty == 1.0 {
+            if !self.params.has_processors() {
                 // argmax skips NaN, so this equals the argmax of the processed logits.
                 return crate::kernels::argmax(logits) as u32;
             }
@@ -455,6 +504,31 @@ fn surviving(logits: &[f32], cands: Option<&[u32]>) -> Vec<u32> {
     }
 }
 
+/// OpenAI's `logit_bias`: add each bias to its id's logit (ids beyond the row are ignored).
+fn logit_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
+    for &(id, b) in bias {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l += b;
+        }
+    }
+    nan_to_neg_inf(logits);
+}
+
+/// OpenAI's presence and frequency penalties over `counted` (the generated ids): an id seen `n > 0`
+/// times loses `presence + n * frequency` (vLLM's formula; ids beyond the row are ignored).
+fn presence_frequency_penalty(logits: &mut [f32], counted: &[u32], presence: f32, frequency: f32) {
+    let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    for &id in counted {
+        if (id as usize) < logits.len() {
+            *counts.entry(id).or_insert(0) += 1;
+        }
+    }
+    for (id, n) in counts {
+        logits[id as usize] -= presence + n as f32 * frequency;
+    }
+    nan_to_neg_inf(logits);
+}
+
 /// `RepetitionPenaltyLogitsProcessor`: each distinct id once, `l < 0 ? l * p : l / p`.
 fn repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f32) {
     let v = logits.len();
@@ -647,6 +721,46 @@ mod tests {
     }
 
     #[test]
+    fn presence_and_frequency_penalties_count_generated_ids_only() {
+        // History: prompt [0, 0] then generated [1, 1, 2]; counting starts after the prompt.
+        let p = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, penalty_start: 2, ..sampling(1.0) };
+        let out = processed(p, &[1.0, 1.0, 1.0, 1.0], &[0, 0, 1, 1, 2]);
+        assert_eq!(out, vec![1.0, 1.0 - 0.5 - 2.0 * 0.25, 1.0 - 0.5 - 0.25, 1.0]);
+        // Applied in greedy mode too: the penalised argmax moves.
+        let p = SamplingParams { presence_penalty: 2.0, penalty_start: 1, ..SamplingParams::default() };
+        let mut s = Sampler::new(p);
+        assert_eq!(s.sample(&[3.0, 2.0], &[0]), 0); // the prompt's 0 is not counted
+        assert_eq!(s.sample(&[3.0, 2.0], &[0, 0]), 1); // the generated 0 is: 3 - 2 < 2
+
+        // A start past the history counts nothing; ids beyond the row are ignored.
+        let p = SamplingParams { frequency_penalty: 1.0, penalty_start: 9, ..sampling(1.0) };
+        assert_eq!(processed(p.clone(), &[1.0, 1.0], &[0, 1]), vec![1.0, 1.0]);
+        let p = SamplingParams { penalty_start: 0, ..p };
+        assert_eq!(processed(p, &[1.0, 1.0], &[0, 7]), vec![0.0, 1.0]);
+    }
+
+    #[test]
+    fn logit_bias_adds_and_bans() {
+        let p = SamplingParams { logit_bias: vec![(0, -100.0), (2, 1.5), (9, 5.0)], ..SamplingParams::default() };
+        let mut s = Sampler::new(p.clone());
+        assert!(p.has_processors());
+        assert_eq!(s.sample(&[3.0, 2.0, 1.0], &[]), 2);
+        assert_eq!(processed(p, &[3.0, 2.0, 1.0], &[]), vec![-97.0, 2.0, 2.5]);
+        let inf = SamplingParams { logit_bias: vec![(0, -1.0)], ..sampling(1.0) };
+        assert_eq!(processed(inf, &[f32::NEG_INFINITY, 0.0], &[])[0], f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn penalty_ranges_are_checked() {
+        let d = SamplingParams::default;
+        assert!(SamplingParams { presence_penalty: 2.5, ..d() }.validate().is_err());
+        assert!(SamplingParams { frequency_penalty: -2.5, ..d() }.validate().is_err());
+        assert!(SamplingParams { frequency_penalty: f32::NAN, ..d() }.validate().is_err());
+        assert!(SamplingParams { logit_bias: vec![(1, 101.0)], ..d() }.validate().is_err());
+        assert!(SamplingParams { presence_penalty: -2.0, logit_bias: vec![(1, -100.0)], ..d() }.validate().is_ok());
+    }
+
+    #[test]
     fn temperature_divides() {
         assert_eq!(processed(sampling(0.5), &[1.0, 2.0, -4.0], &[]), vec![2.0, 4.0, -8.0]);
         assert_eq!(processed(sampling(2.0), &[1.0, NINF], &[]), vec![0.5, NINF]);
@@ -792,7 +906,15 @@ mod tests {
                 }
             }
         };
-        let a = SamplingParams { temperature: 0.8, top_k: 10, top_p: 0.9, min_p: 0.1, repeat_penalty: 1.3, seed: 0 };
+        let a = SamplingParams {
+            temperature: 0.8,
+            top_k: 10,
+            top_p: 0.9,
+            min_p: 0.1,
+            repeat_penalty: 1.3,
+            seed: 0,
+            ..Default::default()
+        };
         check(
             a,
             &[
@@ -848,7 +970,15 @@ mod tests {
                 },
             ],
         );
-        let b = SamplingParams { temperature: 1.5, top_k: 12, top_p: 0.95, min_p: 0.05, repeat_penalty: 0.8, seed: 0 };
+        let b = SamplingParams {
+            temperature: 1.5,
+            top_k: 12,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 0.8,
+            seed: 0,
+            ..Default::default()
+        };
         check(
             b,
             &[
@@ -1084,7 +1214,15 @@ mod tests {
     fn validate_names_the_parameter() {
         assert!(SamplingParams::default().validate().is_ok());
         assert!(SamplingParams::default().is_greedy());
-        let ok = SamplingParams { temperature: 1.0, top_k: 40, top_p: 1.0, min_p: 1.0, repeat_penalty: 0.5, seed: 1 };
+        let ok = SamplingParams {
+            temperature: 1.0,
+            top_k: 40,
+            top_p: 1.0,
+            min_p: 1.0,
+            repeat_penalty: 0.5,
+            seed: 1,
+            ..Default::default()
+        };
         assert!(ok.validate().is_ok());
         assert!(!ok.is_greedy());
         let bad = |p: SamplingParams, name: &str| {

@@ -132,6 +132,16 @@ impl Handle {
         self.cancel.clone()
     }
 
+    /// A handle that replays `events` and is then over: a scripted request, for testing code that reads
+    /// handles (the server's tool-call and thinking paths, which the shipped pair never exercises).
+    pub fn replay(events: Vec<Event>) -> Handle {
+        let (tx, rx) = mpsc::channel();
+        for e in events {
+            let _ = tx.send(e);
+        }
+        Handle { events: rx, cancel: Arc::new(AtomicBool::new(false)) }
+    }
+
     /// Wait for the end: the outcome, or the request's error.
     pub fn wait(self) -> Result<Outcome> {
         while let Some(e) = self.recv() {
@@ -278,6 +288,9 @@ struct Active<'m> {
     /// `auto` rounds since this sequence last drafted, and rounds in all (for probes).
     idle_rounds: usize,
     rounds: usize,
+    /// Log-probabilities already sent in `Tokens` events (the sequence records them when it absorbs a
+    /// forward, before its tokens are committed).
+    logprobs_sent: usize,
 }
 
 /// `auto` rounds without drafting after which a sequence drafts one token, to refresh its estimates;
@@ -427,6 +440,7 @@ impl<'m> Scheduler<'m> {
                 cancel: w.cancel,
                 idle_rounds: 0,
                 rounds: 0,
+                logprobs_sent: 0,
             });
         }
     }
@@ -556,7 +570,6 @@ impl<'m> Scheduler<'m> {
         // Commit what each sequence decided; retire the ones that ended.
         for a in self.active.iter_mut() {
             if a.seq.phase() == Phase::Commit {
-                let before = a.seq.generation().logprobs.len();
                 let (stream, stream_err) = (&mut a.stream, &mut a.stream_err);
                 let mut text = String::new();
                 let ids = a.seq.commit(|ts| match stream.as_mut().map(|s| s.push(ts)) {
@@ -571,7 +584,8 @@ impl<'m> Scheduler<'m> {
                     }
                 });
                 let lp = &a.seq.generation().logprobs;
-                let logprobs = lp[before.min(lp.len())..].to_vec();
+                let logprobs = lp[a.logprobs_sent.min(lp.len())..].to_vec();
+                a.logprobs_sent = lp.len();
                 if !ids.is_empty() || !text.is_empty() {
                     let _ = a.tx.send(Event::Tokens { ids, text, logprobs });
                 }
@@ -709,8 +723,27 @@ pub struct Engine {
     thread: Option<JoinHandle<()>>,
 }
 
+/// What the scheduler looks like after a step (for a server's metrics; docs/serve.md).
+#[derive(Clone, Debug, Default)]
+pub struct StepSnapshot {
+    pub report: StepReport,
+    /// Requests waiting for admission, and sequences running, after the step.
+    pub waiting: usize,
+    pub active: usize,
+    /// K/V bytes reserved by running sequences plus those held by the pool.
+    pub kv_in_use: usize,
+}
+
+/// Called on the scheduler thread after every step; it must be quick.
+pub type StepObserver = Box<dyn FnMut(&StepSnapshot) + Send>;
+
 impl Engine {
     pub fn start(models: Models, limits: Limits) -> Engine {
+        Engine::start_observed(models, limits, None)
+    }
+
+    /// [`Engine::start`], with an observer that sees every step (and the idle state once work runs out).
+    pub fn start_observed(models: Models, limits: Limits, mut observer: Option<StepObserver>) -> Engine {
         let models = Arc::new(models);
         let (tx, rx) = mpsc::channel::<Msg>();
         let m = models.clone();
@@ -735,7 +768,11 @@ impl Engine {
                         }
                         next = rx.try_recv().ok();
                     }
-                    s.step();
+                    let report = s.step();
+                    if let Some(obs) = observer.as_mut() {
+                        let (waiting, active) = s.load();
+                        obs(&StepSnapshot { report, waiting, active, kv_in_use: s.kv_in_use() });
+                    }
                     if let Some(d) = delay {
                         std::thread::sleep(d);
                     }
