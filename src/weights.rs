@@ -49,15 +49,16 @@ fn huge_pages() -> bool {
 
 const HUGE_PAGE: usize = 2 << 20;
 
-/// `len` bytes of anonymous memory starting on a 2 MiB boundary, advised `MADV_HUGEPAGE`, filled by
-/// `fill` and then made read-only.
-fn huge_buffer(len: usize, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<Buffer> {
+/// A copy of `src` in anonymous memory that starts on a 2 MiB boundary and is advised `MADV_HUGEPAGE`
+/// before it is first touched, then made read-only.
+fn huge_copy(src: &[u8]) -> Result<Buffer> {
+    let len = src.len();
     let total = len.checked_add(HUGE_PAGE).ok_or_else(|| anyhow!("{len} bytes do not fit in memory"))?;
     let mut map = MmapMut::map_anon(total).with_context(|| format!("cannot allocate {len} bytes for the weights"))?;
     let off = map.as_ptr().align_offset(HUGE_PAGE).min(HUGE_PAGE);
     // Only advice: where transparent huge pages are off, the memory is simply backed by small pages.
     let _ = map.advise_range(Advice::HugePage, off, len);
-    fill(&mut map[off..off + len])?;
+    map[off..off + len].copy_from_slice(src);
     let map = map.make_read_only().context("cannot make the weight copy read-only")?;
     Ok(Buffer::Huge { map, off, len })
 }
@@ -122,11 +123,7 @@ impl Tensor {
         assert_eq!(data.len(), shape.iter().product::<usize>() * dtype.size());
         let len = data.len();
         let buf = match huge_pages() && len >= HUGE_PAGE {
-            true => huge_buffer(len, |dst| {
-                dst.copy_from_slice(&data);
-                Ok(())
-            })
-            .unwrap_or(Buffer::Owned(data)),
+            true => huge_copy(&data).unwrap_or(Buffer::Owned(data)),
             false => Buffer::Owned(data),
         };
         Tensor { name: name.to_string(), dtype: StoredDtype::Float(dtype), shape, buf: Arc::new(buf), offset: 0, len }
@@ -320,11 +317,7 @@ fn load_file(path: &Path, out: &mut HashMap<String, Tensor>) -> Result<()> {
     let data_start = 8 + header_len;
     let file_len = mmap.len();
     let buf = Arc::new(if huge_pages() {
-        huge_buffer(file_len, |dst| {
-            dst.copy_from_slice(&mmap);
-            Ok(())
-        })
-        .with_context(|| format!("{}: cannot copy into huge pages", path.display()))?
+        huge_copy(&mmap).with_context(|| format!("{}: cannot copy into huge pages", path.display()))?
     } else {
         populate(&mmap);
         Buffer::Mapped(mmap)

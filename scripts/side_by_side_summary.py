@@ -1,0 +1,52 @@
+"""Summarize the JSON that the side-by-side kit (`side_by_side.py --out FILE`) writes: medians, ranges and
+pairwise ratios (each repetition runs both engines back to back, so a ratio within a repetition is what
+the shared machine can compare; see README, "Performance").
+
+usage: python3 scripts/side_by_side_summary.py RUN.json [RUN.json ...]   (repetitions of all runs pooled)
+"""
+import json
+import statistics
+import sys
+
+runs = [json.load(open(p)) for p in sys.argv[1:]]
+if not runs:
+    sys.exit(__doc__)
+R = {}
+for r in runs:
+    for k, v in r.items():
+        R.setdefault(k, []).extend(v)
+
+
+def col(key, field):
+    return [x.get(field) if isinstance(x, dict) else None for x in R.get(key, [])]
+
+
+def fmt(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    return f"median {statistics.median(xs):.2f} (range {min(xs):.2f}-{max(xs):.2f}, n={len(xs)})"
+
+
+def ratios(a, b):
+    return [x / y for x, y in zip(a, b) if x is not None and y]
+
+
+rows = [
+    ("llama.cpp bf16 decode tok/s", col("llama bf16 plain", "decode")),
+    ("tandem bf16 decode tok/s", col("tandem bf16 plain", "decode")),
+    ("tandem / llama.cpp decode, pairwise", ratios(col("tandem bf16 plain", "decode"), col("llama bf16 plain", "decode"))),
+    ("llama.cpp bf16 prefill tok/s", col("llama bf16 plain", "prefill")),
+    ("tandem bf16 prefill tok/s", col("tandem bf16 plain", "prefill")),
+    ("tandem / llama.cpp prefill, pairwise", ratios(col("tandem bf16 plain", "prefill"), col("llama bf16 plain", "prefill"))),
+    ("llama.cpp Q8_0 decode tok/s", col("llama q8_0 plain", "decode")),
+    ("llama.cpp k=4 MTP decode tok/s", col("llama bf16 mtp k4", "decode")),
+    ("llama.cpp k=4 / plain, pairwise", ratios(col("llama bf16 mtp k4", "decode"), col("llama bf16 plain", "decode"))),
+    ("tandem k=4 / plain, pairwise", ratios(col("tandem bf16 mtp k4", "decode"), col("tandem bf16 plain", "decode"))),
+    ("tandem auto / plain, pairwise", ratios(col("tandem bf16 mtp auto", "decode"), col("tandem bf16 plain", "decode"))),
+    ("llama-bench 5 rows / 1 row", col("llama bf16 rows", "ratio")),
+    ("tandem bench 5 rows / 1 row", [x["rows"][4][2] if isinstance(x, dict) and len(x.get("rows", [])) > 4 else None
+                                     for x in R.get("tandem bench rows", [])]),
+]
+for name, xs in rows:
+    print(f"{name:<40} {fmt(xs)}")
