@@ -425,6 +425,9 @@ fn api_key_body_limit_and_queue_limit() {
     assert_eq!(preflight("http://app.example").header("access-control-allow-origin"), Some("http://app.example"));
     assert_eq!(preflight("http://evil.example").header("access-control-allow-origin"), None);
     assert_eq!(request(addr, "POST", "/v1/chat/completions", &key, body.as_bytes()).status, 200);
+    // The scheme is case-insensitive (RFC 9110).
+    let lower = [("Authorization", "bearer s3cret")];
+    assert_eq!(request(addr, "POST", "/v1/chat/completions", &lower, body.as_bytes()).status, 200);
     // Over the body limit: 413.
     let big = json!({"messages": [{"role": "user", "content": "x".repeat(5000)}]}).to_string();
     let (s, e) = error_of(&request(addr, "POST", "/v1/chat/completions", &key, big.as_bytes()));

@@ -382,8 +382,9 @@ async fn auth(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> 
                 .headers()
                 .get(axum::http::header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .unwrap_or("");
+                .and_then(|v| v.trim().split_once(' '))
+                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                .map_or("", |(_, k)| k.trim());
             if !bool::from(given.as_bytes().ct_eq(key.as_bytes())) {
                 metrics::http_error(401);
                 return ApiError::unauthorized().into_response();
