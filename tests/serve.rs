@@ -425,6 +425,12 @@ fn api_key_body_limit_and_queue_limit() {
     assert_eq!(preflight("http://app.example").header("access-control-allow-origin"), Some("http://app.example"));
     assert_eq!(preflight("http://evil.example").header("access-control-allow-origin"), None);
     assert_eq!(request(addr, "POST", "/v1/chat/completions", &key, body.as_bytes()).status, 200);
+    // With one slot and no queue, requests sent one after another are never refused: a request's slot is
+    // free before its client hears the end.
+    for _ in 0..10 {
+        let r = request(addr, "POST", "/v1/chat/completions", &key, body.as_bytes());
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
     // The scheme is case-insensitive (RFC 9110).
     let lower = [("Authorization", "bearer s3cret")];
     assert_eq!(request(addr, "POST", "/v1/chat/completions", &lower, body.as_bytes()).status, 200);
@@ -433,7 +439,9 @@ fn api_key_body_limit_and_queue_limit() {
     let (s, e) = error_of(&request(addr, "POST", "/v1/chat/completions", &key, big.as_bytes()));
     assert_eq!((s, e["code"].as_str()), (413, Some("request_too_large")));
     // One slot, no queue: a second request while one runs is 429 with Retry-After.
-    let long = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200, "stream": true}).to_string();
+    let long =
+        json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200, "stream": true, "ignore_eos": true})
+            .to_string();
     let mut held = send_request(addr, "POST", "/v1/chat/completions", &key, long.as_bytes());
     let mut first = [0u8; 64];
     held.read_exact(&mut first).unwrap();

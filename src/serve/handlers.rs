@@ -212,7 +212,6 @@ async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint:
     // while the request is being submitted still cancels it (the task then finds its sink closed).
     let (started_tx, started_rx) = oneshot::channel::<Result<(), ApiError>>();
     let run = move |sink: Sink| {
-        let _guard = guard;
         let submitted = match script {
             Some(s) => Ok(Handle::replay((s.0)(&ctx.job.prompt_ids))),
             None => loaded.engine.submit(ctx.job.request.clone()),
@@ -220,7 +219,7 @@ async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint:
         match submitted {
             Ok(handle) => {
                 let _ = started_tx.send(Ok(()));
-                pump(&loaded.engine, handle, ctx, sink, &abort);
+                pump(&loaded.engine, handle, ctx, sink, &abort, guard);
             }
             Err(e) => {
                 let msg = format!("{e:#}");
@@ -232,6 +231,7 @@ async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint:
                     metrics::request_done(endpoint_name(endpoint), "rejected");
                     ApiError::bad_request(msg)
                 };
+                drop(guard);
                 let _ = started_tx.send(Err(err));
             }
         }
@@ -390,7 +390,7 @@ fn extension(o: &Outcome, draft: &str) -> Value {
 
 /// Read a request's events until it ends, writing its response; cancel it when the client goes away or
 /// the shutdown grace period ends.
-fn pump(engine: &Engine, handle: Handle, ctx: Ctx, sink: Sink, abort: &AtomicBool) {
+fn pump(engine: &Engine, handle: Handle, ctx: Ctx, sink: Sink, abort: &AtomicBool, inflight: Inflight) {
     let ep = endpoint_name(ctx.job.endpoint);
     let chat = ctx.job.endpoint == Endpoint::Chat;
     let object = if chat { "chat.completion.chunk" } else { "text_completion" };
@@ -509,6 +509,9 @@ fn pump(engine: &Engine, handle: Handle, ctx: Ctx, sink: Sink, abort: &AtomicBoo
             Event::Error(e) => break Err(e),
         }
     };
+    // The engine is done with the request: its slot is free before the client hears the end, so a client
+    // that sends its next request at once is not refused for its own previous one.
+    drop(inflight);
     let end = Instant::now();
     metrics::request_seconds((end - ctx.t0).as_secs_f64());
     let o = match outcome {
