@@ -690,3 +690,27 @@ fn scripted_thinking_and_tool_call_round_trip() {
     let v = chat(addr, json!({"messages": [user, assistant, tool], "tools": tools}));
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
 }
+
+/// `tandem serve` refuses bad options with a one-line error and exit status 1, before loading anything.
+#[test]
+fn serve_command_refuses_bad_options() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--max-concurrency", "0"], "--max-concurrency must be at least 1"),
+        (&["--max-body-bytes", "0"], "--max-body-bytes must be at least 1"),
+        (&["--context", "0"], "--context must be at least 1"),
+        (&["--kv-memory", "8Q"], "--kv-memory"),
+        (&["--kv-memory", "-1G"], "--kv-memory"),
+        (&["--draft-tokens", "99"], "--draft-tokens"),
+        (&["--served-model-name", " "], "--served-model-name must not be empty"),
+        (&["--model", "/nonexistent/model"], "is not a model directory"),
+        (&["--host", "not a host", "--port", "0"], "cannot listen on"),
+        (&["--cors", "bad\norigin", "--port", "0"], "--cors"),
+    ];
+    for (args, want) in cases {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem")).arg("serve").args(*args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().filter(|l| l.starts_with("error:")).count(), 1, "{args:?}: {err}");
+    }
+}
