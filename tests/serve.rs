@@ -714,3 +714,33 @@ fn serve_command_refuses_bad_options() {
         assert_eq!(err.trim().lines().filter(|l| l.starts_with("error:")).count(), 1, "{args:?}: {err}");
     }
 }
+
+/// `chat_template_kwargs: {"enable_thinking": true}` is `tandem generate --thinking`: the same prompt and
+/// greedy tokens (the text fixture's template renders thinking), with the text split by the reply splitter.
+#[test]
+fn enable_thinking_matches_tandem_generate_thinking() {
+    let dir = common::fixture_dir("text-tiny");
+    let mut cfg = config();
+    cfg.model = dir.clone();
+    cfg.assistant = None;
+    let server = serve(cfg);
+    let d = dir.to_str().unwrap();
+    for thinking in [false, true] {
+        let mut args = vec!["generate", "--model", d, "--chat", "Say hello in French.", "--max-new-tokens", "24"];
+        if thinking {
+            args.push("--thinking");
+        }
+        args.push("--json");
+        let g = tandem(&args);
+        let body = json!({"messages": [{"role": "user", "content": "Say hello in French."}], "max_tokens": 24,
+            "temperature": 0, "chat_template_kwargs": {"enable_thinking": thinking}});
+        let t = post(server.addr(), "/tokenize", &body).json();
+        assert_eq!(t["tokens"], g["prompt_ids"], "thinking {thinking}");
+        let v = chat(server.addr(), body);
+        let split = tandem::serve::output::OutputParser::split(g["text"].as_str().unwrap(), false);
+        let m = &v["choices"][0]["message"];
+        assert_eq!(m["content"], split.content, "thinking {thinking}");
+        assert_eq!(m["reasoning_content"].as_str().unwrap_or(""), split.reasoning, "thinking {thinking}");
+        assert_eq!(v["usage"]["completion_tokens"], g["tokens"].as_array().unwrap().len());
+    }
+}
