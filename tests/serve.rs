@@ -725,6 +725,7 @@ fn enable_thinking_matches_tandem_generate_thinking() {
     cfg.assistant = None;
     let server = serve(cfg);
     let d = dir.to_str().unwrap();
+    let mut prompts = Vec::new();
     for thinking in [false, true] {
         let mut args = vec!["generate", "--model", d, "--chat", "Say hello in French.", "--max-new-tokens", "24"];
         if thinking {
@@ -736,6 +737,7 @@ fn enable_thinking_matches_tandem_generate_thinking() {
             "temperature": 0, "chat_template_kwargs": {"enable_thinking": thinking}});
         let t = post(server.addr(), "/tokenize", &body).json();
         assert_eq!(t["tokens"], g["prompt_ids"], "thinking {thinking}");
+        prompts.push(t["tokens"].clone());
         let v = chat(server.addr(), body);
         let split = tandem::serve::output::OutputParser::split(g["text"].as_str().unwrap(), false);
         let m = &v["choices"][0]["message"];
@@ -743,4 +745,5 @@ fn enable_thinking_matches_tandem_generate_thinking() {
         assert_eq!(m["reasoning_content"].as_str().unwrap_or(""), split.reasoning, "thinking {thinking}");
         assert_eq!(v["usage"]["completion_tokens"], g["tokens"].as_array().unwrap().len());
     }
+    assert_ne!(prompts[0], prompts[1], "enable_thinking changed nothing in the prompt");
 }
