@@ -85,7 +85,7 @@ fn body(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Map<String
 }
 
 pub async fn tokenize(State(st): St, b: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<Value, ApiError> {
+    let run = move || -> Result<Value, ApiError> {
         let loaded = st.ready()?;
         let obj = body(&st, b)?;
         request::check_model(&obj, &st.cfg.served_model_name)?;
@@ -110,14 +110,15 @@ pub async fn tokenize(State(st): St, b: Result<Bytes, BytesRejection>) -> Respon
         };
         Ok(json!({"count": ids.len(), "max_model_len": loaded.context, "tokens": ids}))
     };
-    match run() {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => fail(e),
+    match tokio::task::spawn_blocking(run).await {
+        Ok(Ok(v)) => Json(v).into_response(),
+        Ok(Err(e)) => fail(e),
+        Err(e) => fail(ApiError::internal(format!("the request task failed: {e}"))),
     }
 }
 
 pub async fn detokenize(State(st): St, b: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<Value, ApiError> {
+    let run = move || -> Result<Value, ApiError> {
         let loaded = st.ready()?;
         let obj = body(&st, b)?;
         request::check_model(&obj, &st.cfg.served_model_name)?;
@@ -135,9 +136,10 @@ pub async fn detokenize(State(st): St, b: Result<Bytes, BytesRejection>) -> Resp
         let text = tok.decode(&ids, false).map_err(|e| ApiError::invalid("tokens", format!("{e:#}")))?;
         Ok(json!({"prompt": text}))
     };
-    match run() {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => fail(e),
+    match tokio::task::spawn_blocking(run).await {
+        Ok(Ok(v)) => Json(v).into_response(),
+        Ok(Err(e)) => fail(e),
+        Err(e) => fail(ApiError::internal(format!("the request task failed: {e}"))),
     }
 }
 
@@ -167,17 +169,21 @@ fn endpoint_name(e: Endpoint) -> &'static str {
 
 async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Response {
     let t0 = Instant::now();
-    let prepared = (|| -> Result<(Arc<Loaded>, Job), ApiError> {
-        let loaded = st.ready()?;
-        let obj = body(&st, b)?;
-        request::check_model(&obj, &st.cfg.served_model_name)?;
+    // Parsing, rendering the template and tokenizing can take a while on a large body: off the async workers.
+    let st2 = st.clone();
+    let prepared = tokio::task::spawn_blocking(move || -> Result<(Arc<Loaded>, Job), ApiError> {
+        let loaded = st2.ready()?;
+        let obj = body(&st2, b)?;
+        request::check_model(&obj, &st2.cfg.served_model_name)?;
         let (job, unknown) = match endpoint {
             Endpoint::Chat => request::chat_job(&obj, &loaded)?,
             Endpoint::Completion => request::completion_job(&obj, &loaded)?,
         };
         metrics::unknown_fields(unknown);
         Ok((loaded, job))
-    })();
+    })
+    .await
+    .unwrap_or_else(|e| Err(ApiError::internal(format!("the request task failed: {e}"))));
     let (loaded, job) = match prepared {
         Ok(x) => x,
         Err(e) => {
