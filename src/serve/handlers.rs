@@ -85,7 +85,7 @@ fn body(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Map<String
 }
 
 pub async fn tokenize(State(st): St, b: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<Value, ApiError> {
+    let run = move || -> Result<Value, ApiError> {
         let loaded = st.ready()?;
         let obj = body(&st, b)?;
         request::check_model(&obj, &st.cfg.served_model_name)?;
@@ -110,14 +110,15 @@ pub async fn tokenize(State(st): St, b: Result<Bytes, BytesRejection>) -> Respon
         };
         Ok(json!({"count": ids.len(), "max_model_len": loaded.context, "tokens": ids}))
     };
-    match run() {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => fail(e),
+    match tokio::task::spawn_blocking(run).await {
+        Ok(Ok(v)) => Json(v).into_response(),
+        Ok(Err(e)) => fail(e),
+        Err(e) => fail(ApiError::internal(format!("the request task failed: {e}"))),
     }
 }
 
 pub async fn detokenize(State(st): St, b: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<Value, ApiError> {
+    let run = move || -> Result<Value, ApiError> {
         let loaded = st.ready()?;
         let obj = body(&st, b)?;
         request::check_model(&obj, &st.cfg.served_model_name)?;
@@ -135,9 +136,10 @@ pub async fn detokenize(State(st): St, b: Result<Bytes, BytesRejection>) -> Resp
         let text = tok.decode(&ids, false).map_err(|e| ApiError::invalid("tokens", format!("{e:#}")))?;
         Ok(json!({"prompt": text}))
     };
-    match run() {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => fail(e),
+    match tokio::task::spawn_blocking(run).await {
+        Ok(Ok(v)) => Json(v).into_response(),
+        Ok(Err(e)) => fail(e),
+        Err(e) => fail(ApiError::internal(format!("the request task failed: {e}"))),
     }
 }
 
@@ -167,17 +169,21 @@ fn endpoint_name(e: Endpoint) -> &'static str {
 
 async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Response {
     let t0 = Instant::now();
-    let prepared = (|| -> Result<(Arc<Loaded>, Job), ApiError> {
-        let loaded = st.ready()?;
-        let obj = body(&st, b)?;
-        request::check_model(&obj, &st.cfg.served_model_name)?;
+    // Parsing, rendering the template and tokenizing can take a while on a large body: off the async workers.
+    let st2 = st.clone();
+    let prepared = tokio::task::spawn_blocking(move || -> Result<(Arc<Loaded>, Job), ApiError> {
+        let loaded = st2.ready()?;
+        let obj = body(&st2, b)?;
+        request::check_model(&obj, &st2.cfg.served_model_name)?;
         let (job, unknown) = match endpoint {
             Endpoint::Chat => request::chat_job(&obj, &loaded)?,
             Endpoint::Completion => request::completion_job(&obj, &loaded)?,
         };
         metrics::unknown_fields(unknown);
         Ok((loaded, job))
-    })();
+    })
+    .await
+    .unwrap_or_else(|e| Err(ApiError::internal(format!("the request task failed: {e}"))));
     let (loaded, job) = match prepared {
         Ok(x) => x,
         Err(e) => {
@@ -212,7 +218,6 @@ async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint:
     // while the request is being submitted still cancels it (the task then finds its sink closed).
     let (started_tx, started_rx) = oneshot::channel::<Result<(), ApiError>>();
     let run = move |sink: Sink| {
-        let _guard = guard;
         let submitted = match script {
             Some(s) => Ok(Handle::replay((s.0)(&ctx.job.prompt_ids))),
             None => loaded.engine.submit(ctx.job.request.clone()),
@@ -220,7 +225,7 @@ async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint:
         match submitted {
             Ok(handle) => {
                 let _ = started_tx.send(Ok(()));
-                pump(&loaded.engine, handle, ctx, sink, &abort);
+                pump(&loaded.engine, handle, ctx, sink, &abort, guard);
             }
             Err(e) => {
                 let msg = format!("{e:#}");
@@ -232,6 +237,7 @@ async fn generate(st: Arc<AppState>, b: Result<Bytes, BytesRejection>, endpoint:
                     metrics::request_done(endpoint_name(endpoint), "rejected");
                     ApiError::bad_request(msg)
                 };
+                drop(guard);
                 let _ = started_tx.send(Err(err));
             }
         }
@@ -390,7 +396,7 @@ fn extension(o: &Outcome, draft: &str) -> Value {
 
 /// Read a request's events until it ends, writing its response; cancel it when the client goes away or
 /// the shutdown grace period ends.
-fn pump(engine: &Engine, handle: Handle, ctx: Ctx, sink: Sink, abort: &AtomicBool) {
+fn pump(engine: &Engine, handle: Handle, ctx: Ctx, sink: Sink, abort: &AtomicBool, inflight: Inflight) {
     let ep = endpoint_name(ctx.job.endpoint);
     let chat = ctx.job.endpoint == Endpoint::Chat;
     let object = if chat { "chat.completion.chunk" } else { "text_completion" };
@@ -509,6 +515,9 @@ fn pump(engine: &Engine, handle: Handle, ctx: Ctx, sink: Sink, abort: &AtomicBoo
             Event::Error(e) => break Err(e),
         }
     };
+    // The engine is done with the request: its slot is free before the client hears the end, so a client
+    // that sends its next request at once is not refused for its own previous one.
+    drop(inflight);
     let end = Instant::now();
     metrics::request_seconds((end - ctx.t0).as_secs_f64());
     let o = match outcome {

@@ -50,10 +50,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (also from TANDEM_API_KEY).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub api_key: Option<String>,
     /// The model name clients use (default: the model directory's name; `tandem-default` for the shipped pair).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub served_model_name: Option<String>,
     /// Sequences decoding at once; more wait in the queue.
     #[arg(long, default_value_t = 64, allow_hyphen_values = true)]
@@ -68,10 +68,10 @@ pub struct ServeArgs {
     #[arg(long, allow_hyphen_values = true)]
     pub context: Option<usize>,
     /// K/V memory for all requests together, e.g. 8G or 512M (default: the memory free at start).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub kv_memory: Option<String>,
     /// Default draft tokens per round: a number, `auto`, or 0 (off); requests may set their own.
-    #[arg(long, value_name = "K|auto")]
+    #[arg(long, value_name = "K|auto", allow_hyphen_values = true)]
     pub draft_tokens: Option<String>,
     /// A Jinja chat template to use instead of the checkpoint's.
     #[arg(long, value_name = "FILE")]
@@ -382,8 +382,9 @@ async fn auth(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> 
                 .headers()
                 .get(axum::http::header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .unwrap_or("");
+                .and_then(|v| v.trim().split_once(' '))
+                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                .map_or("", |(_, k)| k.trim());
             if !bool::from(given.as_bytes().ct_eq(key.as_bytes())) {
                 metrics::http_error(401);
                 return ApiError::unauthorized().into_response();
