@@ -12,7 +12,7 @@ use clap::{ArgGroup, Args, Parser, Subcommand};
 use serde_json::json;
 
 use tandem::bench::{self, BenchOptions, Preset};
-use tandem::config::{validate_pair, TextConfig};
+use tandem::config::TextConfig;
 use tandem::decode::draft_policy::{DraftLength, DraftPolicy, MAX_DRAFT};
 use tandem::decode::generate::{FinishReason, GenerateOptions, Generation};
 use tandem::decode::sampling::SamplingParams;
@@ -395,11 +395,7 @@ fn open_session(
         context_limit,
     };
     let assistant = match &assistant_dir {
-        Some(dir) => {
-            let a = Assistant::load(dir).context("cannot load the assistant")?;
-            validate_pair(&model.cfg, &a.cfg).context("the assistant does not match the target")?;
-            Some(a)
-        }
+        Some(dir) => Some(Assistant::load_for(dir, &model.cfg)?),
         None => None,
     };
     if assistant_dir.is_none() && (run.draft_tokens.is_some() || trace) {
@@ -982,11 +978,7 @@ fn bench_models(args: &BenchArgs, check: impl Fn(&TextConfig) -> Result<()>) -> 
             let target = TargetModel::load(dir)?;
             check(&target.cfg)?;
             let assistant = match &args.assistant {
-                Some(a) => {
-                    let a = Assistant::load(a).context("cannot load the assistant")?;
-                    validate_pair(&target.cfg, &a.cfg).context("the assistant does not match the target")?;
-                    Some(a)
-                }
+                Some(a) => Some(Assistant::load_for(a, &target.cfg)?),
                 None => None,
             };
             let name = match &args.assistant {

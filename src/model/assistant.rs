@@ -116,6 +116,14 @@ pub struct Assistant {
 }
 
 impl Assistant {
+    /// Load the assistant in `dir` and check that it belongs to a target with config `target`.
+    pub fn load_for(dir: &Path, target: &crate::config::TextConfig) -> Result<Assistant> {
+        use anyhow::Context;
+        let a = Assistant::load(dir).context("cannot load the assistant")?;
+        crate::config::validate_pair(target, &a.cfg).context("the assistant does not match the target")?;
+        Ok(a)
+    }
+
     pub fn load(dir: &Path) -> Result<Assistant> {
         crate::files::require_dir(dir, "assistant directory")?;
         let cfg = load_assistant_config(dir)?;

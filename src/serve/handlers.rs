@@ -286,6 +286,19 @@ enum Sink {
 }
 
 impl Sink {
+    /// End the reply with an error: an error event on a stream, the error as the whole response.
+    fn fail(self, err: ApiError) {
+        match self {
+            Sink::Stream(tx) => {
+                let _ = tx.send(err.body().to_string());
+            }
+            Sink::Whole(Some(tx)) => {
+                let _ = tx.send(Err(err));
+            }
+            Sink::Whole(None) => {}
+        }
+    }
+
     /// The client went away (the response was dropped).
     fn closed(&self) -> bool {
         match self {
@@ -524,16 +537,7 @@ fn pump(engine: &Engine, handle: Handle, ctx: Ctx, sink: Sink, abort: &AtomicBoo
         Ok(o) => o,
         Err(e) => {
             metrics::request_done(ep, "error");
-            let err = ApiError::internal(format!("generation failed: {e}"));
-            match sink {
-                Sink::Stream(tx) => {
-                    let _ = tx.send(err.body().to_string());
-                }
-                Sink::Whole(Some(tx)) => {
-                    let _ = tx.send(Err(err));
-                }
-                Sink::Whole(None) => {}
-            }
+            sink.fail(ApiError::internal(format!("generation failed: {e}")));
             return;
         }
     };
@@ -548,16 +552,7 @@ fn pump(engine: &Engine, handle: Handle, ctx: Ctx, sink: Sink, abort: &AtomicBoo
         }
         Some(_) => {
             metrics::request_done(ep, "error");
-            let err = ApiError::unavailable("the server shut down before the request finished");
-            match sink {
-                Sink::Stream(tx) => {
-                    let _ = tx.send(err.body().to_string());
-                }
-                Sink::Whole(Some(tx)) => {
-                    let _ = tx.send(Err(err));
-                }
-                Sink::Whole(None) => {}
-            }
+            sink.fail(ApiError::unavailable("the server shut down before the request finished"));
             return;
         }
         None => {}

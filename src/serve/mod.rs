@@ -27,7 +27,6 @@ use axum::Router;
 use clap::Args;
 use subtle::ConstantTimeEq;
 
-use crate::config::validate_pair;
 use crate::decode::draft_policy::DraftLength;
 use crate::engine::{Engine, Limits, Models};
 use crate::model::assistant::Assistant;
@@ -317,11 +316,7 @@ pub fn load(cfg: &ServerConfig) -> Result<Loaded> {
     let template = template_src.as_deref().map(ChatTemplate::new).transpose()?;
     let template_tool_responses = template_src.as_deref().is_some_and(|s| s.contains("tool_responses"));
     let assistant = match &cfg.assistant {
-        Some(dir) => {
-            let a = Assistant::load(dir).context("cannot load the assistant")?;
-            validate_pair(&model.cfg, &a.cfg).context("the assistant does not match the target")?;
-            Some(a)
-        }
+        Some(dir) => Some(Assistant::load_for(dir, &model.cfg)?),
         None => None,
     };
     let max_ctx = model.cfg.max_position_embeddings;
