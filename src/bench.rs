@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use rayon::prelude::*;
 use serde::Serialize;
 use serde_json::json;
@@ -540,8 +540,8 @@ pub fn run(models: &crate::engine::Models, name: &str, opts: &BenchOptions, log:
     let (mut draft_s, mut draft_head) = (f64::NAN, None);
     if let Some(assistant) = &models.assistant {
         log("draft steps...");
-        let sliding = cache.store_kv(cfg, LayerType::Sliding).expect("store layer");
-        let full = cache.store_kv(cfg, LayerType::Full).expect("store layer");
+        let store = |kind| cache.store_kv(cfg, kind).ok_or_else(|| anyhow!("the target has no {kind:?} store layer"));
+        let (sliding, full) = (store(LayerType::Sliding)?, store(LayerType::Full)?);
         let mut emb = vec![0f32; cfg.hidden_size];
         model.embed_token(17, &mut emb);
         let mut h = vec![0.01f32; cfg.hidden_size];
