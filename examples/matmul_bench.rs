@@ -1,14 +1,18 @@
 //! Effective weight bandwidth of `kernels::matmul` for the shapes that dominate decode.
 //!
 //! cargo run --release --example matmul_bench [-- [--isa NAME] [--threads N] [--quick] [--prefill]
-//!                                              [--small] [--dtype bf16|f16|f32]]
+//!                                              [--small] [--dtype bf16|f16|f32]
+//!                                              [--quant q8_0|q4_0|q5_0|q5_1|q4_k|q5_k|q6_k]]
+//!
+//! `--quant FMT` times block-quantized weights instead (random weights quantized with
+//! `quant::quantize_row`); GB/s then counts the quantized bytes.
 //!
 //! A matrix called again and again would sit in L3 (32 MiB here), which is not what decode sees:
 //! each layer's weights are evicted by the other layers' before they are used again. So every shape
 //! is allocated in enough copies to cover 256 MiB, and consecutive calls cycle through the copies.
 
 use std::time::Instant;
-use tandem::kernels::{bandwidth, isa, matmul_with, DType, Isa, MatRef};
+use tandem::kernels::{bandwidth, isa, matmul_with, quant, DType, Isa, MatRef, QMatRef, QType, Weight};
 
 struct Args {
     isa: Isa,
@@ -16,6 +20,8 @@ struct Args {
     prefill: bool,
     small: bool,
     dtype: DType,
+    /// `--quant q4_k`: quantized weights of this format instead of `dtype`.
+    quant: Option<QType>,
     /// `--ms 1,4,8`: replaces the default m list.
     ms: Option<Vec<usize>>,
     /// `--shape 6144x1536`: only this shape.
@@ -34,6 +40,7 @@ fn parse_args() -> Args {
         prefill: false,
         small: false,
         dtype: DType::BF16,
+        quant: None,
         ms: None,
         shape: None,
         align: None,
@@ -57,6 +64,13 @@ fn parse_args() -> Args {
                     Some("f16") => DType::F16,
                     Some("f32") => DType::F32,
                     _ => DType::BF16,
+                }
+            }
+            "--quant" => {
+                let name = it.next().unwrap_or_default();
+                a.quant = QType::ALL.into_iter().find(|q| q.name().eq_ignore_ascii_case(&name));
+                if a.quant.is_none() {
+                    eprintln!("--quant wants one of q8_0|q4_0|q5_0|q5_1|q4_k|q5_k|q6_k; using {}", a.dtype.name());
                 }
             }
             "--ms" => a.ms = it.next().map(|s| s.split(',').filter_map(|v| v.trim().parse().ok()).collect()),
@@ -99,6 +113,26 @@ fn random_weights(dtype: DType, len: usize, seed: u64) -> Vec<u8> {
     out
 }
 
+/// Random weights in [-1, 1] quantized to `qt`, as bytes. Quantizing (the k-quants especially) is far
+/// slower than a matmul, so at most 4096 rows are quantized and repeated down the matrix; the kernels'
+/// time does not depend on the values.
+fn quantized_weights(qt: QType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let distinct = rows.min(4096);
+    let raw = random_weights(DType::F32, distinct * cols, seed);
+    let vals: Vec<f32> = raw.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    let rb = qt.row_bytes(cols).expect("--quant: columns must be a whole number of blocks");
+    let mut block = vec![0u8; distinct * rb];
+    for (x, o) in vals.chunks_exact(cols).zip(block.chunks_exact_mut(rb)) {
+        quant::quantize_row(qt, x, o);
+    }
+    let mut out = Vec::with_capacity(rows * rb);
+    while out.len() < rows * rb {
+        let n = (rows * rb - out.len()).min(block.len());
+        out.extend_from_slice(&block[..n]);
+    }
+    out
+}
+
 /// `w` copied to a 2 MiB boundary of a buffer advised `MADV_HUGEPAGE` before it is first touched.
 fn huge_copy(w: &[u8]) -> Vec<u8> {
     let mut buf: Vec<u8> = Vec::with_capacity(w.len() + (2 << 20));
@@ -115,14 +149,14 @@ fn huge_copy(w: &[u8]) -> Vec<u8> {
 /// Times of `m`-row calls, cycling through `mats` (every copy touched once, untimed, first).
 struct Runner<'a> {
     isa: Isa,
-    mats: &'a [MatRef<'a>],
+    mats: &'a [Weight<'a>],
     next: usize,
 }
 
 impl Runner<'_> {
     /// Median seconds per call over `calls` calls.
     fn time(&mut self, m: usize, calls: usize) -> f64 {
-        let (rows, k) = (self.mats[0].rows, self.mats[0].cols);
+        let (rows, k) = (self.mats[0].rows(), self.mats[0].cols());
         let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0).collect();
         let mut out = vec![0f32; m * rows];
         let mut times: Vec<f64> = (0..calls.max(1))
@@ -148,11 +182,19 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Rounds of every m in turn (so a slow spell on this shared machine hits all of them alike); per m
 /// the median over rounds of its time and of its ratio to m = 1 in the same round.
 fn bench_shape(a: &Args, rows: usize, cols: usize, ms: &[usize]) {
-    let bytes = rows * cols * a.dtype.size();
+    let bytes = match a.quant {
+        Some(q) => rows * q.row_bytes(cols).expect("--quant: columns must be a whole number of blocks"),
+        None => rows * cols * a.dtype.size(),
+    };
     let copies = (256usize << 20).div_ceil(bytes).max(1);
+    // Quantized: one matrix, copied (quantizing every copy would take minutes).
+    let quantized = a.quant.map(|q| quantized_weights(q, rows, cols, 0x9e37));
     let bufs: Vec<Vec<u8>> = (0..copies)
         .map(|i| {
-            let w = random_weights(a.dtype, rows * cols, 0x9e37 + i as u64);
+            let w = match &quantized {
+                Some(qw) => qw.clone(),
+                None => random_weights(a.dtype, rows * cols, 0x9e37 + i as u64),
+            };
             match (a.align, a.huge) {
                 (_, true) => huge_copy(&w),
                 (None, false) => w,
@@ -160,17 +202,23 @@ fn bench_shape(a: &Args, rows: usize, cols: usize, ms: &[usize]) {
             }
         })
         .collect();
-    let mats: Vec<MatRef> = bufs
+    let mats: Vec<Weight> = bufs
         .iter()
-        .map(|b| match a.align {
-            _ if a.huge => {
-                let off = b.as_ptr().align_offset(2 << 20);
-                MatRef::new(a.dtype, rows, cols, &b[off..off + bytes])
-            }
-            None => MatRef::new(a.dtype, rows, cols, b),
-            Some(n) => {
-                let off = b.as_ptr().align_offset(64) + n;
-                MatRef::new(a.dtype, rows, cols, &b[off..off + bytes])
+        .map(|b| {
+            let data = match a.align {
+                _ if a.huge => {
+                    let off = b.as_ptr().align_offset(2 << 20);
+                    &b[off..off + bytes]
+                }
+                None => &b[..],
+                Some(n) => {
+                    let off = b.as_ptr().align_offset(64) + n;
+                    &b[off..off + bytes]
+                }
+            };
+            match a.quant {
+                Some(q) => QMatRef::new(q, rows, cols, data).into(),
+                None => MatRef::new(a.dtype, rows, cols, data).into(),
             }
         })
         .collect();
@@ -211,7 +259,8 @@ fn bench_shape(a: &Args, rows: usize, cols: usize, ms: &[usize]) {
 
 fn main() {
     let a = parse_args();
-    println!("isa {} ({} threads), weights {}", a.isa, rayon::current_num_threads(), a.dtype.name());
+    let weights = a.quant.map_or(a.dtype.name(), |q| q.name());
+    println!("isa {} ({} threads), weights {weights}", a.isa, rayon::current_num_threads());
     if a.shape.is_none() {
         let gbs = bandwidth::measure_read_bandwidth(1 << 30);
         println!("measure_read_bandwidth(1 GiB): {gbs:.1} GB/s");

@@ -130,7 +130,7 @@ pub fn weights(data: &[u8]) {
     if let Some(t) = store.get("embed_tokens.weight").cloned() {
         if let Ok(t) = store.require("embed_tokens.weight", &t.shape) {
             let m = t.mat();
-            let _ = (m.rows, m.cols);
+            let _ = (m.rows(), m.cols());
             if t.shape.iter().product::<usize>() <= 1 << 16 {
                 let _ = t.to_f32();
             }

@@ -3,6 +3,7 @@ pairwise ratios (each repetition runs both engines back to back, so a ratio with
 the shared machine can compare; see README, "Performance").
 
 usage: python3 scripts/side_by_side_summary.py RUN.json [RUN.json ...]   (repetitions of all runs pooled)
+Also reads scripts/side_by_side_quant.py's output: a block per weight format it measured.
 """
 import json
 import statistics
@@ -48,5 +49,20 @@ rows = [
     ("tandem bench 5 rows / 1 row", [x["rows"][4][2] if isinstance(x, dict) and len(x.get("rows", [])) > 4 else None
                                      for x in R.get("tandem bench rows", [])]),
 ]
+if "tandem bench rows" not in R:
+    rows = []  # not the kit's side_by_side.py output
+# scripts/side_by_side_quant.py's blocks: one per format it measured ("tandem FMT rows").
+for f in [k.split()[1] for k in R if k.startswith("tandem ") and k.endswith(" rows") and k != "tandem bench rows"]:
+    rows += [
+        (f"llama.cpp {f} decode tok/s", col(f"llama {f} plain", "decode")),
+        (f"tandem {f} decode tok/s", col(f"tandem {f} plain", "decode")),
+        (f"tandem / llama.cpp {f} decode, pairwise", ratios(col(f"tandem {f} plain", "decode"), col(f"llama {f} plain", "decode"))),
+        (f"tandem / llama.cpp {f} prefill, pairwise", ratios(col(f"tandem {f} plain", "prefill"), col(f"llama {f} plain", "prefill"))),
+        (f"llama-bench {f} 5 rows / 1 row", col(f"llama {f} rows", "ratio")),
+        (f"tandem {f} 5 rows / 1 row", col(f"tandem {f} rows", "ratio")),
+        (f"llama.cpp {f} k=4 / plain, pairwise", ratios(col(f"llama {f} mtp k4", "decode"), col(f"llama {f} plain", "decode"))),
+        (f"tandem {f} k=4 / plain, pairwise", ratios(col(f"tandem {f} mtp k4", "decode"), col(f"tandem {f} plain", "decode"))),
+        (f"tandem {f} auto / plain, pairwise", ratios(col(f"tandem {f} mtp auto", "decode"), col(f"tandem {f} plain", "decode"))),
+    ]
 for name, xs in rows:
-    print(f"{name:<40} {fmt(xs)}")
+    print(f"{name:<44} {fmt(xs)}")

@@ -113,6 +113,16 @@ impl Preset {
 
 /// A drafter of `cfg` with random bf16 weights and a random token ordering.
 pub fn random_assistant(cfg: &AssistantConfig, seed: u64) -> Result<Assistant> {
+    random_assistant_quantized(cfg, seed, None, |_| {})
+}
+
+/// [`random_assistant`], its matrices then quantized with `recipe` (`log` gets the summary).
+pub fn random_assistant_quantized(
+    cfg: &AssistantConfig,
+    seed: u64,
+    recipe: Option<crate::quantize::Recipe>,
+    log: impl Fn(String),
+) -> Result<Assistant> {
     let t = &cfg.text;
     let (v, hd, hb) = (t.vocab_size, t.hidden_size, cfg.backbone_hidden_size);
     let mut tensors = vec![
@@ -166,11 +176,25 @@ pub fn random_assistant(cfg: &AssistantConfig, seed: u64) -> Result<Assistant> {
         let ordering: Vec<i64> = (0..v as i64).map(|i| (i * 7919) % v as i64).collect();
         tensors.push(Tensor::owned_i64("masked_embedding.token_ordering", &ordering));
     }
-    Assistant::from_store(cfg.clone(), &WeightStore::from_tensors(tensors))
+    let mut store = WeightStore::from_tensors(tensors);
+    if let Some(r) = recipe {
+        log(crate::model::assistant::quantize_assistant(&mut store, cfg, r)?);
+    }
+    Assistant::from_store(cfg.clone(), &store)
 }
 
 /// A model of `cfg` with random bf16 weights (small uniform values, norms near 1).
 pub fn random_model(cfg: &TextConfig, seed: u64) -> Result<TargetModel> {
+    random_model_quantized(cfg, seed, None, |_| {})
+}
+
+/// [`random_model`], its matrices then quantized with `recipe` (`log` gets the summary).
+pub fn random_model_quantized(
+    cfg: &TextConfig,
+    seed: u64,
+    recipe: Option<crate::quantize::Recipe>,
+    log: impl Fn(String),
+) -> Result<TargetModel> {
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
     // What to build (name, shape, scale, offset, seed): sized first, so that a model the machine cannot
     // hold is an error rather than the out-of-memory killer.
@@ -243,7 +267,11 @@ pub fn random_model(cfg: &TextConfig, seed: u64) -> Result<TargetModel> {
         .into_iter()
         .map(|(name, shape, scale, offset, seed)| random_tensor(&name, shape, scale, offset, seed))
         .collect();
-    TargetModel::from_store(cfg.clone(), &WeightStore::from_tensors(tensors))
+    let mut store = WeightStore::from_tensors(tensors);
+    if let Some(r) = recipe {
+        log(crate::model::target::quantize_target(&mut store, cfg, r)?);
+    }
+    TargetModel::from_store(cfg.clone(), &store)
 }
 
 /// bf16 tensor of `offset + scale·u`, `u` uniform in [-1, 1), from a fast counter-based hash.
@@ -373,11 +401,21 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 /// The random model of a preset and its random drafter, as `Models`, with a description.
-pub fn random_models(preset: Preset, layers: usize) -> Result<(crate::engine::Models, String)> {
+pub fn random_models(
+    preset: Preset,
+    layers: usize,
+    quant: crate::quantize::LoadQuant,
+    log: impl Fn(String),
+) -> Result<(crate::engine::Models, String)> {
     let cfg = preset.config(layers)?;
-    let target = random_model(&cfg, 7)?;
-    let assistant = random_assistant(&preset.assistant_config(&cfg)?, 99)?;
-    let name = format!("random {preset:?} dims, {layers} layers, with a random drafter (nothing accepted)");
+    let target = random_model_quantized(&cfg, 7, quant.recipe, &log)?;
+    let assistant = random_assistant_quantized(&preset.assistant_config(&cfg)?, 99, quant.assistant_recipe(), &log)?;
+    let quantized = match (quant.recipe, quant.assistant) {
+        (Some(r), true) => format!(", both quantized {r}"),
+        (Some(r), false) => format!(", target quantized {r}"),
+        (None, _) => String::new(),
+    };
+    let name = format!("random {preset:?} dims, {layers} layers, with a random drafter (nothing accepted){quantized}");
     Ok((crate::engine::Models { target, assistant: Some(assistant), tokenizer: None, template: None }, name))
 }
 
@@ -637,6 +675,8 @@ pub struct PairOptions {
     pub prompts: std::path::PathBuf,
     pub draft: crate::decode::draft_policy::DraftLength,
     pub max_new_tokens: usize,
+    /// Quantize at load (`--quantize`).
+    pub quant: crate::quantize::LoadQuant,
 }
 
 #[derive(Serialize)]
@@ -657,6 +697,79 @@ pub struct PairReport {
     pub draft_step_ms: f64,
     pub target_step_ms: f64,
     pub draft_step_ratio: f64,
+    /// With `--quantize`: the quantized target against the same checkpoint unquantized.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quality: Option<QualityReport>,
+}
+
+/// How close a quantized target stays to its unquantized checkpoint, teacher-forced on the held-out
+/// prompts followed by the unquantized model's greedy continuation of each.
+#[derive(Serialize)]
+pub struct QualityReport {
+    pub recipe: String,
+    /// Perplexity of the prompts' own tokens (each predicted from the ones before it).
+    pub reference_perplexity: f64,
+    pub perplexity: f64,
+    /// `perplexity / reference_perplexity - 1`.
+    pub perplexity_change: f64,
+    /// Share of positions (prompts and continuations) where both models' most likely token is the same.
+    pub top1_agreement: f64,
+    /// Mean KL divergence (reference ‖ quantized) of the next-token distributions, in nats.
+    pub mean_kl: f64,
+    pub positions: usize,
+}
+
+/// Log-softmax of one row of logits, in f64.
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let sum: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
+    let log_z = max + sum.ln();
+    logits.iter().map(|&v| v as f64 - log_z).collect()
+}
+
+/// Compare `quantized` with `reference` on each prompt extended by `continuation` greedy tokens of the
+/// reference (one teacher-forced forward each).
+pub fn quality(
+    reference: &crate::engine::Models,
+    quantized: &TargetModel,
+    recipe: crate::quantize::Recipe,
+    prompts: &[Vec<u32>],
+    continuation: usize,
+) -> Result<QualityReport> {
+    use crate::model::target::Keep;
+    let (mut nll_ref, mut nll_q, mut scored) = (0f64, 0f64, 0usize);
+    let (mut kl, mut agree, mut positions) = (0f64, 0usize, 0usize);
+    for p in prompts {
+        let run = engine_run(reference, p, continuation, None)?;
+        let reference = &reference.target;
+        let mut seq = p.clone();
+        seq.extend_from_slice(&run.tokens);
+        let (mut c1, mut c2) = (reference.new_cache(), quantized.new_cache());
+        let a = reference.forward(&mut c1, &seq, Keep::All)?;
+        let b = quantized.forward(&mut c2, &seq, Keep::All)?;
+        for i in 0..seq.len() - 1 {
+            let (la, lb) = (log_softmax(a.logits_row(i)), log_softmax(b.logits_row(i)));
+            if i + 1 < p.len() {
+                let next = seq[i + 1] as usize;
+                nll_ref -= la[next];
+                nll_q -= lb[next];
+                scored += 1;
+            }
+            kl += la.iter().zip(&lb).map(|(x, y)| x.exp() * (x - y)).sum::<f64>();
+            agree += (crate::kernels::argmax(a.logits_row(i)) == crate::kernels::argmax(b.logits_row(i))) as usize;
+            positions += 1;
+        }
+    }
+    let ppl = |nll: f64| (nll / scored.max(1) as f64).exp();
+    Ok(QualityReport {
+        recipe: recipe.name().into(),
+        reference_perplexity: ppl(nll_ref),
+        perplexity: ppl(nll_q),
+        perplexity_change: ppl(nll_q) / ppl(nll_ref) - 1.0,
+        top1_agreement: agree as f64 / positions.max(1) as f64,
+        mean_kl: kl / positions.max(1) as f64,
+        positions,
+    })
 }
 
 impl PairReport {
@@ -685,6 +798,18 @@ impl PairReport {
             "\noutput identical with and without drafting: {}\n",
             if self.identical_output { "yes" } else { "NO" }
         );
+        if let Some(q) = &self.quality {
+            s += &format!(
+                "{} vs unquantized, {} positions: perplexity {:.3} vs {:.3} ({:+.2}%), top-1 agreement {:.1}%, mean KL {:.5} nats\n",
+                q.recipe,
+                q.positions,
+                q.perplexity,
+                q.reference_perplexity,
+                100.0 * q.perplexity_change,
+                100.0 * q.top1_agreement,
+                q.mean_kl
+            );
+        }
         s
     }
 }
@@ -714,9 +839,8 @@ pub fn read_prompts(path: &std::path::Path) -> Result<Vec<Vec<u32>>> {
 /// Run every prompt greedily without and with drafting through the engine, one request at a time as
 /// `tandem generate` runs them, interleaved so both see the same machine.
 pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
-    let target = TargetModel::load(&opts.target)?;
-    let assistant = Assistant::load(&opts.assistant)?;
-    crate::config::validate_pair(&target.cfg, &assistant.cfg)?;
+    let target = TargetModel::load_with(&opts.target, opts.quant.recipe, |l| log(&l))?;
+    let assistant = Assistant::load_for_with(&opts.assistant, &target.cfg, opts.quant.assistant_recipe(), |l| log(&l))?;
     let models = crate::engine::Models { target, assistant: Some(assistant), tokenizer: None, template: None };
     let prompts = read_prompts(&opts.prompts)?;
     let (mut plain_s, mut spec_s, mut tokens) = (0.0, 0.0, 0usize);
@@ -753,6 +877,15 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     let per_round = |n: usize| if rounds > 0 { n as f64 / rounds as f64 } else { 0.0 };
     let draft_step = if drafted > 0 { draft_s / drafted as f64 } else { 0.0 };
     let target_step = plain_s / tokens.max(1) as f64;
+    let quality = match opts.quant.recipe {
+        Some(r) => {
+            log("measuring quality against the unquantized target...");
+            let target = TargetModel::load(&opts.target)?;
+            let reference = crate::engine::Models { target, assistant: None, tokenizer: None, template: None };
+            Some(quality(&reference, &models.target, r, &prompts, opts.max_new_tokens)?)
+        }
+        None => None,
+    };
     Ok(PairReport {
         prompts: prompts.len(),
         generated_tokens: tokens + prompts.len(),
@@ -767,6 +900,7 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
         draft_step_ms: draft_step * 1e3,
         target_step_ms: target_step * 1e3,
         draft_step_ratio: draft_step / target_step.max(1e-12),
+        quality,
     })
 }
 

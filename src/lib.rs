@@ -8,6 +8,7 @@ pub mod files;
 pub mod kernels;
 pub mod model;
 pub mod params;
+pub mod quantize;
 pub mod serve;
 pub mod system;
 pub mod text;

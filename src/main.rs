@@ -21,6 +21,7 @@ use tandem::engine::{Engine, Event, Limits, Models, Outcome, Prompt, Request};
 use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
 use tandem::params;
+use tandem::quantize::LoadQuant;
 use tandem::text::stream::terminal_safe;
 use tandem::text::{has_tokenizer, ChatTemplate, TextTokenizer, TOKENIZER_FILE};
 
@@ -34,6 +35,13 @@ struct Cli {
     /// (faster decoding where the machine allows huge pages; costs a copy at load).
     #[arg(long, global = true)]
     huge_pages: bool,
+    /// Quantize the model's matrices at load: q8_0, q4_0 or q4_k_m (llama.cpp's mixtures; the drafter
+    /// stays bf16 unless --quantize-assistant). See docs/quantization.md.
+    #[arg(long, global = true, value_name = "RECIPE")]
+    quantize: Option<String>,
+    /// Quantize the assistant (drafter) with the same recipe as well.
+    #[arg(long, global = true)]
+    quantize_assistant: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -276,11 +284,12 @@ fn run(cli: Cli) -> Result<()> {
         .build_global()
         .map_err(|e| anyhow!("cannot start {threads} threads: {e}"))?;
     tandem::weights::use_huge_pages(cli.huge_pages);
+    let quant = LoadQuant::new(cli.quantize.as_deref(), cli.quantize_assistant)?;
     match cli.command {
-        Command::Generate(args) => run_generate(args),
-        Command::Chat(args) => run_chat(args),
-        Command::Bench(args) => run_bench(args, threads),
-        Command::Serve(args) => tandem::serve::run(args),
+        Command::Generate(args) => run_generate(args, quant),
+        Command::Chat(args) => run_chat(args, quant),
+        Command::Bench(args) => run_bench(args, threads, quant),
+        Command::Serve(args) => tandem::serve::run(args, quant),
     }
 }
 
@@ -332,6 +341,7 @@ impl RunArgs {
 
 fn open_session(
     run: &RunArgs,
+    quant: LoadQuant,
     default_max_new: usize,
     need: TextNeed,
     top_logprobs: Option<usize>,
@@ -365,7 +375,7 @@ fn open_session(
             bail!("{what} a tokenizer: {} has no {TOKENIZER_FILE}{hint}", model_dir.display());
         }
     }
-    let model = TargetModel::load(&model_dir)?;
+    let model = TargetModel::load_with(&model_dir, quant.recipe, |l| say!("{l}"))?;
     if let Some(w) = memory_warning(model.working_set_bytes(), tandem::system::physical_memory_bytes()) {
         say!("{w}");
     }
@@ -395,7 +405,7 @@ fn open_session(
         context_limit,
     };
     let assistant = match &assistant_dir {
-        Some(dir) => Some(Assistant::load_for(dir, &model.cfg)?),
+        Some(dir) => Some(Assistant::load_for_with(dir, &model.cfg, quant.assistant_recipe(), |l| say!("{l}"))?),
         None => None,
     };
     if assistant_dir.is_none() && (run.draft_tokens.is_some() || trace) {
@@ -554,7 +564,7 @@ fn print_text(text: &str, tty: bool) -> Result<()> {
     }
 }
 
-fn run_generate(args: GenerateArgs) -> Result<()> {
+fn run_generate(args: GenerateArgs, quant: LoadQuant) -> Result<()> {
     if args.chat.is_none() {
         if args.system.is_some() {
             bail!("--system needs --chat: it is the system message of a chat turn");
@@ -574,7 +584,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     } else {
         TextNeed::Required("text prompts need")
     };
-    let mut s = open_session(&args.run, 128, need, args.top_logprobs, args.trace, args.chat.is_some())?;
+    let mut s = open_session(&args.run, quant, 128, need, args.top_logprobs, args.trace, args.chat.is_some())?;
     let prompt = match (&explicit_ids, &args.prompt, &args.chat) {
         (Some(ids), _, _) => Prompt::Ids(ids.clone()),
         (None, Some(text), _) => Prompt::Text(text.clone()),
@@ -764,8 +774,8 @@ fn parse_chat_input(input: &str) -> ChatInput<'_> {
     }
 }
 
-fn run_chat(args: ChatArgs) -> Result<()> {
-    let mut s = open_session(&args.run, 1024, TextNeed::Required("chat needs"), None, false, true)?;
+fn run_chat(args: ChatArgs, quant: LoadQuant) -> Result<()> {
+    let mut s = open_session(&args.run, quant, 1024, TextNeed::Required("chat needs"), None, false, true)?;
     let interactive = std::io::stdin().is_terminal();
     let tty = std::io::stdout().is_terminal();
     let interrupted = Arc::new(AtomicBool::new(false));
@@ -925,7 +935,7 @@ fn reply_summary(g: &Generation, spec: Option<&SpecStats>, reason: &str) -> Stri
     line + &format!("; {reason}]")
 }
 
-fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
+fn run_bench(args: BenchArgs, threads: usize, quant: LoadQuant) -> Result<()> {
     if args.pair && args.prompts.is_none() && args.model.is_some() != args.assistant.is_some() {
         bail!("--pair needs both --model and --assistant (or neither, for the shipped pair)");
     }
@@ -933,7 +943,7 @@ fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
         bail!("--prompts goes with --pair or --concurrency");
     }
     if let Some(levels) = &args.concurrency {
-        return run_concurrency_bench(&args, levels);
+        return run_concurrency_bench(&args, levels, quant);
     }
     if args.pair {
         let dir = bench::default_model_dir();
@@ -943,6 +953,7 @@ fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
             prompts: args.prompts.unwrap_or_else(|| dir.join("heldout_prompts.json")),
             draft: DraftLength::parse(args.draft_tokens.as_deref().unwrap_or("4"))?,
             max_new_tokens: args.max_new_tokens,
+            quant,
         };
         let report = bench::run_pair(&opts, |msg| say!("{msg}"))?;
         if args.json {
@@ -960,7 +971,7 @@ fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
         draft: DraftLength::parse(args.draft_tokens.as_deref().unwrap_or("4"))?,
         threads,
     };
-    let (models, name) = bench_models(&args, |cfg| bench::check_options(&opts, cfg))?;
+    let (models, name) = bench_models(&args, quant, |cfg| bench::check_options(&opts, cfg))?;
     let report = bench::run(&models, &name, &opts, |msg| say!("{msg}"))?;
     if args.json {
         emit(&format!("{}\n", serde_json::to_string(&report)?))?;
@@ -972,13 +983,17 @@ fn run_bench(args: BenchArgs, threads: usize) -> Result<()> {
 
 /// The model `bench` measures: `--model DIR [--assistant DIR]`, or the random preset with its random
 /// drafter.
-fn bench_models(args: &BenchArgs, check: impl Fn(&TextConfig) -> Result<()>) -> Result<(Models, String)> {
+fn bench_models(
+    args: &BenchArgs,
+    quant: LoadQuant,
+    check: impl Fn(&TextConfig) -> Result<()>,
+) -> Result<(Models, String)> {
     match &args.model {
         Some(dir) => {
-            let target = TargetModel::load(dir)?;
+            let target = TargetModel::load_with(dir, quant.recipe, |l| say!("{l}"))?;
             check(&target.cfg)?;
             let assistant = match &args.assistant {
-                Some(a) => Some(Assistant::load_for(a, &target.cfg)?),
+                Some(a) => Some(Assistant::load_for_with(a, &target.cfg, quant.assistant_recipe(), |l| say!("{l}"))?),
                 None => None,
             };
             let name = match &args.assistant {
@@ -994,18 +1009,18 @@ fn bench_models(args: &BenchArgs, check: impl Fn(&TextConfig) -> Result<()>) -> 
             let preset = Preset::parse(&args.preset)?;
             check(&preset.config(args.layers)?)?;
             say!("building a random {preset:?} model with {} layers and its drafter in memory...", args.layers);
-            bench::random_models(preset, args.layers)
+            bench::random_models(preset, args.layers, quant, |l| say!("{l}"))
         }
     }
 }
 
 /// `bench --concurrency`: many streams through the engine, on a checkpoint or the random preset.
-fn run_concurrency_bench(args: &BenchArgs, levels: &str) -> Result<()> {
+fn run_concurrency_bench(args: &BenchArgs, levels: &str, quant: LoadQuant) -> Result<()> {
     let levels = levels
         .split(',')
         .map(|l| l.trim().parse::<usize>().map_err(|_| anyhow!("--concurrency: {l:?} is not a number of streams")))
         .collect::<Result<Vec<_>>>()?;
-    let (models, name) = bench_models(args, |_| Ok(()))?;
+    let (models, name) = bench_models(args, quant, |_| Ok(()))?;
     let draft = match (&args.draft_tokens, args.no_draft, &models.assistant) {
         (_, true, _) | (None, false, None) => None,
         (Some(k), false, _) => Some(DraftLength::parse(k)?),

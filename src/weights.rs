@@ -13,7 +13,7 @@ use safetensors::tensor::Dtype as StDtype;
 use safetensors::{SafeTensorError, SafeTensors};
 use serde_json::Value;
 
-use crate::kernels::{DType, MatRef};
+use crate::kernels::{DType, MatRef, QMatRef, QType, Weight};
 
 /// Bytes backing tensors: a read-only file mapping, memory we own (random models for benchmarks), or
 /// a copy in anonymous memory backed by huge pages (`--huge-pages`; see docs/engine.md, "Weights in memory").
@@ -73,10 +73,15 @@ fn populate(mmap: &Mmap) {
     }
 }
 
-/// Element type as stored; only the float types are usable as weights, integers appear in drafters.
+/// Element type as stored; float and quantized types are usable as weights, integers appear in drafters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoredDtype {
     Float(DType),
+    /// Block-quantized at load (or in a file), from weights of dtype `from`.
+    Quant {
+        q: QType,
+        from: DType,
+    },
     I64,
     Other(&'static str),
 }
@@ -102,7 +107,7 @@ impl StoredDtype {
         match self {
             StoredDtype::Float(d) => Some(d.size()),
             StoredDtype::I64 => Some(8),
-            StoredDtype::Other(_) => None,
+            StoredDtype::Quant { .. } | StoredDtype::Other(_) => None,
         }
     }
 }
@@ -129,6 +134,20 @@ impl Tensor {
         Tensor { name: name.to_string(), dtype: StoredDtype::Float(dtype), shape, buf: Arc::new(buf), offset: 0, len }
     }
 
+    /// A quantized tensor in memory we own (quantized at load): `data` holds `shape`'s rows of `q` blocks.
+    pub fn owned_quant(name: &str, q: QType, from: DType, shape: Vec<usize>, data: Vec<u8>) -> Tensor {
+        let cols = *shape.last().unwrap_or(&1);
+        let rows = shape.iter().product::<usize>().checked_div(cols).unwrap_or(0);
+        assert_eq!(Some(data.len()), q.row_bytes(cols).map(|b| b * rows), "quantized tensor size");
+        let len = data.len();
+        let buf = match huge_pages() && len >= HUGE_PAGE {
+            true => huge_copy(&data).unwrap_or(Buffer::Owned(data)),
+            false => Buffer::Owned(data),
+        };
+        let dtype = StoredDtype::Quant { q, from };
+        Tensor { name: name.to_string(), dtype, shape, buf: Arc::new(buf), offset: 0, len }
+    }
+
     pub fn owned_i64(name: &str, values: &[i64]) -> Tensor {
         let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let len = data.len();
@@ -149,20 +168,36 @@ impl Tensor {
     pub fn float_dtype(&self) -> Result<DType> {
         match self.dtype {
             StoredDtype::Float(d) => Ok(d),
+            StoredDtype::Quant { q, .. } => {
+                bail!("tensor `{}` is {q}; expected a float tensor (bf16, f16 or f32)", self.name)
+            }
             StoredDtype::I64 => bail!("tensor `{}` is I64; expected a float tensor (bf16, f16 or f32)", self.name),
             StoredDtype::Other(d) => bail!("tensor `{}` is {d}; expected bf16, f16 or f32", self.name),
         }
     }
 
-    /// A 2-D float tensor as a matrix view.
-    pub fn mat(&self) -> MatRef<'_> {
-        let d = match self.dtype {
-            StoredDtype::Float(d) => d,
-            _ => unreachable!("validated as float at load"),
-        };
+    /// The dtype the weights had before any quantization: the precision the forward pass rounds to.
+    pub fn compute_dtype(&self) -> Result<DType> {
+        match self.dtype {
+            StoredDtype::Quant { from, .. } => Ok(from),
+            _ => self.float_dtype(),
+        }
+    }
+
+    /// A weight tensor as a matrix view (`[rows, cols]`, all leading dimensions as rows).
+    pub fn mat(&self) -> Weight<'_> {
         let cols = *self.shape.last().unwrap_or(&1);
         let rows = self.shape.iter().product::<usize>().checked_div(cols).unwrap_or(0);
-        MatRef::new(d, rows, cols, self.bytes())
+        match self.dtype {
+            StoredDtype::Float(d) => Weight::Float(MatRef::new(d, rows, cols, self.bytes())),
+            StoredDtype::Quant { q, .. } => Weight::Quant(QMatRef::new(q, rows, cols, self.bytes())),
+            _ => unreachable!("validated as a weight at load"),
+        }
+    }
+
+    /// Elements of the tensor.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
     }
 
     /// A float tensor widened to f32 (only for small tensors: norms, scales).
@@ -293,8 +328,18 @@ impl WeightStore {
     pub fn require_full(&self, full: &str, shape: &[usize]) -> Result<Tensor> {
         let t = self.tensors.get(full).ok_or_else(|| anyhow!("{}: missing tensor `{full}`", self.source.display()))?;
         check_shape(t, shape, &self.source)?;
-        t.float_dtype().map_err(|e| anyhow!("{}: {e}", self.source.display()))?;
+        t.compute_dtype().map_err(|e| anyhow!("{}: {e}", self.source.display()))?;
         Ok(t.clone())
+    }
+
+    /// Every tensor's full name.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// Replace (or add) a tensor under its full name.
+    pub fn insert(&mut self, t: Tensor) {
+        self.tensors.insert(t.name.clone(), t);
     }
 }
 

@@ -391,3 +391,17 @@ fn huge_page_copies_give_the_same_tokens_as_mapped_files() {
     assert_eq!(run(&args), mapped);
     assert_eq!(mapped.as_array().unwrap().len(), 12);
 }
+
+#[test]
+fn quantize_flags_are_checked_and_a_quantized_run_reports_itself() {
+    let dir = fixture_dir("t1-f32");
+    expect_error(&gen_args(&dir, &["--quantize", "q3_k"]), "not a recipe tandem knows (q8_0, q4_0, q4_k_m)");
+    expect_error(&gen_args(&dir, &["--quantize-assistant"]), "--quantize-assistant needs --quantize");
+    let args = gen_args(&dir, &["--quantize", "q4_0", "--max-new-tokens", "4", "--json"]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, out, err) = tandem(&refs);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("quantized the model to q4_0:"), "{err}");
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 4);
+}

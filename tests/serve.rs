@@ -38,6 +38,7 @@ fn config() -> ServerConfig {
         handle_signals: false,
         step_delay: None,
         script: None,
+        quant: Default::default(),
     }
 }
 

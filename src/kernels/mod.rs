@@ -14,23 +14,29 @@
 //! verification matmul is bit-identical to the same row computed alone (for a given [`Isa`]).
 
 pub mod bandwidth;
+pub mod quant;
 pub mod scalar;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_quant;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
 #[cfg(test)]
+mod quant_tests;
+#[cfg(test)]
 mod tests;
-#[cfg(target_arch = "x86_64")]
 mod tiling;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 use half::{bf16, f16};
 use std::sync::OnceLock;
+
+pub use quant::{QMatRef, QType};
 
 /// Storage dtype of a weight tensor (and the "model dtype" whose rounding the forward pass mimics).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,6 +137,80 @@ impl<'a> MatRef<'a> {
         let base = r * self.cols;
         for (j, o) in out.iter_mut().enumerate() {
             *o = self.dtype.load(self.data, base + j);
+        }
+    }
+}
+
+/// A weight matrix in any storage format: float ([`MatRef`]) or block-quantized ([`QMatRef`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Weight<'a> {
+    Float(MatRef<'a>),
+    Quant(QMatRef<'a>),
+}
+
+impl<'a> From<MatRef<'a>> for Weight<'a> {
+    fn from(m: MatRef<'a>) -> Self {
+        Weight::Float(m)
+    }
+}
+
+impl<'a> From<QMatRef<'a>> for Weight<'a> {
+    fn from(m: QMatRef<'a>) -> Self {
+        Weight::Quant(m)
+    }
+}
+
+impl<'a> Weight<'a> {
+    pub fn rows(&self) -> usize {
+        match self {
+            Weight::Float(w) => w.rows,
+            Weight::Quant(w) => w.rows,
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            Weight::Float(w) => w.cols,
+            Weight::Quant(w) => w.cols,
+        }
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        match self {
+            Weight::Float(w) => w.cols * w.dtype.size(),
+            Weight::Quant(w) => w.row_bytes(),
+        }
+    }
+
+    pub fn data(&self) -> &'a [u8] {
+        match self {
+            Weight::Float(w) => w.data,
+            Weight::Quant(w) => w.data,
+        }
+    }
+
+    /// Rows `start..start+n` as a matrix of their own.
+    pub fn slice_rows(&self, start: usize, n: usize) -> Weight<'a> {
+        match self {
+            Weight::Float(w) => Weight::Float(w.slice_rows(start, n)),
+            Weight::Quant(w) => Weight::Quant(w.slice_rows(start, n)),
+        }
+    }
+
+    /// Row `r` as f32 (dequantized).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        match self {
+            Weight::Float(w) => w.row_f32(r, out),
+            Weight::Quant(w) => w.row_f32(r, out),
+        }
+    }
+
+    /// The same format over other bytes (`rows` whole rows).
+    fn with_data<'b>(&self, rows: usize, data: &'b [u8]) -> Weight<'b> {
+        match self {
+            Weight::Float(w) => Weight::Float(MatRef::new(w.dtype, rows, w.cols, data)),
+            Weight::Quant(w) => Weight::Quant(QMatRef::new(w.qtype, rows, w.cols, data)),
         }
     }
 }
@@ -238,15 +318,39 @@ fn runnable(isa: Isa) -> Isa {
 /// `out[i, j] = Σ_k x[i, k] · w[j, k]` for `i < m`: `x` is `[m, w.cols]`, `out` is `[m, w.rows]`.
 ///
 /// With bf16 weights `x` is rounded to bf16 first (exact when the model runs in bf16, as the reference
-/// does) and products are accumulated in f32. Large matrices are split over rayon's global pool by
+/// does) and products are accumulated in f32. With quantized weights `x` is quantized per block into the
+/// format's 8-bit companion first (see `quant`). Large matrices are split over rayon's global pool by
 /// weight rows; the result does not depend on the thread count.
-pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32]) {
+pub fn matmul<'a>(x: &[f32], m: usize, w: impl Into<Weight<'a>>, out: &mut [f32]) {
     matmul_with(isa(), x, m, w, out)
 }
 
 /// [`matmul`] on a given instruction set (lowered to what the CPU supports).
-pub fn matmul_with(isa: Isa, x: &[f32], m: usize, w: MatRef, out: &mut [f32]) {
-    matmul_split(isa, x, m, w, out, Split::Auto)
+pub fn matmul_with<'a>(isa: Isa, x: &[f32], m: usize, w: impl Into<Weight<'a>>, out: &mut [f32]) {
+    match w.into() {
+        Weight::Float(w) => matmul_split(isa, x, m, w, out, Split::Auto),
+        Weight::Quant(w) => matmul_quant(isa, x, m, w, out, Split::Auto),
+    }
+}
+
+/// The quantized matmul: activations quantized once, then weight-row chunks over threads.
+pub(crate) fn matmul_quant(isa: Isa, x: &[f32], m: usize, w: QMatRef, out: &mut [f32], split: Split) {
+    let (n, k) = (w.rows, w.cols);
+    assert_eq!(x.len(), m * k, "matmul input shape");
+    assert_eq!(out.len(), m * n, "matmul output shape");
+    if m == 0 || n == 0 {
+        return;
+    }
+    let acts = quant::quantize_acts(w.qtype, x, m, k);
+    let isa = runnable(isa);
+    tiling::for_row_ranges(n, w.row_bytes(), k, m, out, split, |rows, outs| {
+        let wc = w.slice_rows(rows.start, rows.len());
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => avx2_quant::matmul(&acts, wc, outs),
+            _ => quant::matmul(&acts, wc, outs),
+        }
+    });
 }
 
 /// How a matmul's weight rows are divided among threads.
@@ -467,13 +571,14 @@ pub fn argmax(x: &[f32]) -> usize {
 /// `out[i] = Σ_k x[k] · w[ids[i], k]`: one input row against selected weight rows (the centroid head's
 /// candidates). The rows are copied into one contiguous block and multiplied by `matmul`, so each result
 /// is bit-identical to that row's entry of a full `matmul`.
-pub fn matmul_gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32]) {
+pub fn matmul_gather<'a>(x: &[f32], w: impl Into<Weight<'a>>, ids: &[u32], out: &mut [f32]) {
+    let w = w.into();
     assert_eq!(ids.len(), out.len(), "matmul_gather output size");
-    let row = w.cols * w.dtype.size();
+    let row = w.row_bytes();
     let mut block = Vec::with_capacity(ids.len() * row);
     for &id in ids {
         let at = id as usize * row;
-        block.extend_from_slice(&w.data[at..at + row]);
+        block.extend_from_slice(&w.data()[at..at + row]);
     }
-    matmul(x, 1, MatRef::new(w.dtype, ids.len(), w.cols, &block), out);
+    matmul(x, 1, w.with_data(ids.len(), &block), out);
 }

@@ -1,6 +1,7 @@
 //! How the SIMD matmuls cut their work: threads over weight-row chunks (`for_row_chunks`), tiles
 //! and cache blocks within a chunk (`Plan`, `for_tiles`), activations packed into panels
 //! (`pack_panels`). Safe Rust; the SIMD files supply the tile kernels.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 use super::{MatRef, Split};
 use rayon::prelude::*;
@@ -23,19 +24,18 @@ const CHUNKS_PER_THREAD: usize = 8;
 /// But no chunk smaller than this many bytes of weights.
 const MIN_CHUNK_BYTES: usize = 64 << 10;
 
-/// Rows per thread chunk, or `None` to run on the calling thread.
-fn chunk_rows(w: MatRef, m: usize, split: Split) -> Option<usize> {
-    let n = w.rows;
+/// Rows per thread chunk of a matrix of `n` rows of `row_bytes` bytes and `k` columns, against `m`
+/// activation rows, or `None` to run on the calling thread.
+fn chunk_rows(n: usize, row_bytes: usize, k: usize, m: usize, split: Split) -> Option<usize> {
     let rows = match split {
         Split::Rows(r) => r.max(1),
         Split::Auto => {
             let threads = rayon::current_num_threads();
-            let bytes = w.data.len();
-            if threads <= 1 || (bytes < PAR_MIN_BYTES && m.saturating_mul(n * w.cols) < PAR_MIN_MACS) {
+            let bytes = n * row_bytes;
+            if threads <= 1 || (bytes < PAR_MIN_BYTES && m.saturating_mul(n * k) < PAR_MIN_MACS) {
                 return None;
             }
-            let row_bytes = (w.cols * w.dtype.size()).max(1);
-            (n / (threads * CHUNKS_PER_THREAD)).max(MIN_CHUNK_BYTES / row_bytes)
+            (n / (threads * CHUNKS_PER_THREAD)).max(MIN_CHUNK_BYTES / row_bytes.max(1))
         }
     };
     let rows = rows.div_ceil(CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE;
@@ -45,17 +45,27 @@ fn chunk_rows(w: MatRef, m: usize, split: Split) -> Option<usize> {
 /// Run `f(w_chunk, out_chunk)` over contiguous chunks of weight rows, in parallel when worth it.
 /// `out_chunk[i]` is the part of output row `i` that belongs to the chunk's weight rows. Each output
 /// element is computed by exactly one call, so the result is independent of the split.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn for_row_chunks<F>(w: MatRef, m: usize, out: &mut [f32], split: Split, f: F)
 where
     F: Fn(MatRef, &mut [&mut [f32]]) + Sync,
 {
-    let n = w.rows;
+    let row_bytes = w.cols * w.dtype.size();
+    for_row_ranges(w.rows, row_bytes, w.cols, m, out, split, |r, outs| f(w.slice_rows(r.start, r.len()), outs))
+}
+
+/// [`for_row_chunks`] for any matrix of `n` rows of `row_bytes` bytes and `k` columns: `f` gets the
+/// range of weight rows of its chunk.
+pub(crate) fn for_row_ranges<F>(n: usize, row_bytes: usize, k: usize, m: usize, out: &mut [f32], split: Split, f: F)
+where
+    F: Fn(std::ops::Range<usize>, &mut [&mut [f32]]) + Sync,
+{
     if m == 0 || n == 0 {
         return;
     }
-    let Some(rows) = chunk_rows(w, m, split) else {
+    let Some(rows) = chunk_rows(n, row_bytes, k, m, split) else {
         let mut outs: Vec<&mut [f32]> = out.chunks_mut(n).collect();
-        f(w, &mut outs);
+        f(0..n, &mut outs);
         return;
     };
     let nchunks = n.div_ceil(rows);
@@ -67,7 +77,7 @@ where
     }
     pieces.into_par_iter().enumerate().for_each(|(c, mut outs)| {
         let start = c * rows;
-        f(w.slice_rows(start, rows.min(n - start)), &mut outs);
+        f(start..n.min(start + rows), &mut outs);
     });
 }
 

@@ -102,6 +102,16 @@ impl<'a> DraftRow<'a> {
     }
 }
 
+/// Quantize a drafter's matrices in `store` with `recipe`; returns the summary line.
+pub fn quantize_assistant(
+    store: &mut WeightStore,
+    cfg: &AssistantConfig,
+    recipe: crate::quantize::Recipe,
+) -> Result<String> {
+    let plan = crate::quantize::assistant_plan(recipe, cfg.text.num_layers(), store);
+    Ok(crate::quantize::apply(store, &plan)?.line("the assistant", recipe))
+}
+
 pub struct Assistant {
     pub cfg: AssistantConfig,
     pub dtype: DType,
@@ -118,16 +128,37 @@ pub struct Assistant {
 impl Assistant {
     /// Load the assistant in `dir` and check that it belongs to a target with config `target`.
     pub fn load_for(dir: &Path, target: &crate::config::TextConfig) -> Result<Assistant> {
+        Assistant::load_for_with(dir, target, None, |_| {})
+    }
+
+    /// [`Assistant::load_for`], quantizing the drafter's matrices with `recipe` (`--quantize-assistant`).
+    pub fn load_for_with(
+        dir: &Path,
+        target: &crate::config::TextConfig,
+        recipe: Option<crate::quantize::Recipe>,
+        say: impl FnOnce(String),
+    ) -> Result<Assistant> {
         use anyhow::Context;
-        let a = Assistant::load(dir).context("cannot load the assistant")?;
+        let a = Assistant::load_with(dir, recipe, say).context("cannot load the assistant")?;
         crate::config::validate_pair(target, &a.cfg).context("the assistant does not match the target")?;
         Ok(a)
     }
 
     pub fn load(dir: &Path) -> Result<Assistant> {
+        Assistant::load_with(dir, None, |_| {})
+    }
+
+    pub fn load_with(
+        dir: &Path,
+        recipe: Option<crate::quantize::Recipe>,
+        say: impl FnOnce(String),
+    ) -> Result<Assistant> {
         crate::files::require_dir(dir, "assistant directory")?;
         let cfg = load_assistant_config(dir)?;
-        let store = WeightStore::open(dir)?;
+        let mut store = WeightStore::open(dir)?;
+        if let Some(r) = recipe {
+            say(quantize_assistant(&mut store, &cfg, r)?);
+        }
         Assistant::from_store(cfg, &store)
     }
 
@@ -140,7 +171,7 @@ impl Assistant {
         }
         let vec = |name: &str, n: usize| -> Result<Vec<f32>> { store.require_full(name, &[n])?.to_f32() };
         let embed = store.require_full("model.embed_tokens.weight", &[v, hd])?;
-        let dtype = embed.float_dtype()?;
+        let dtype = embed.compute_dtype()?;
         let mut layers = Vec::new();
         for (i, lc) in t.layers.iter().enumerate() {
             let p = format!("model.layers.{i}.");
@@ -300,19 +331,19 @@ impl Assistant {
         let dt = self.dtype;
         let embed = self.embed.mat();
         let Some(c) = &self.centroids else {
-            let mut logits = vec![0f32; n * embed.rows];
+            let mut logits = vec![0f32; n * embed.rows()];
             kernels::matmul(hd, n, embed, &mut logits);
             dt.round_slice(&mut logits);
             if n == 1 {
                 return vec![DraftLogits::Full(logits)];
             }
-            return logits.chunks_exact(embed.rows).map(|l| DraftLogits::Full(l.to_vec())).collect();
+            return logits.chunks_exact(embed.rows()).map(|l| DraftLogits::Full(l.to_vec())).collect();
         };
         let num_c = c.weight.shape[0];
         let mut all_scores = vec![0f32; n * num_c];
         kernels::matmul(hd, n, c.weight.mat(), &mut all_scores);
         dt.round_slice(&mut all_scores);
-        let per = embed.rows / num_c;
+        let per = embed.rows() / num_c;
         let width = hd.len() / n;
         let mut order: Vec<u32> = Vec::with_capacity(num_c);
         let mut out = Vec::with_capacity(n);

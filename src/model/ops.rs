@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::kernels::{self, DType, MatRef};
+use crate::kernels::{self, DType, Weight};
 use crate::model::cache::LayerKv;
 
 /// RMSNorm of each row, rounded to the model dtype.
@@ -44,8 +44,8 @@ pub fn add_normed(h: &mut [f32], y: &[f32], w: &[f32], eps: f32, dt: DType) {
 }
 
 /// `down(gelu(gate(x)) ⊙ up(x))` with transformers' roundings (docs/model.md, "MLP").
-pub fn gelu_mlp(x: &[f32], rows: usize, gate: MatRef, up: MatRef, down: MatRef, dt: DType) -> Vec<f32> {
-    let inter = gate.rows;
+pub fn gelu_mlp(x: &[f32], rows: usize, gate: Weight, up: Weight, down: Weight, dt: DType) -> Vec<f32> {
+    let inter = gate.rows();
     let mut g = vec![0f32; rows * inter];
     let mut u = vec![0f32; rows * inter];
     kernels::matmul(x, rows, gate, &mut g);
@@ -58,7 +58,7 @@ pub fn gelu_mlp(x: &[f32], rows: usize, gate: MatRef, up: MatRef, down: MatRef, 
         *a *= b;
     }
     dt.round_slice(&mut g);
-    let mut out = vec![0f32; rows * down.rows];
+    let mut out = vec![0f32; rows * down.rows()];
     kernels::matmul(&g, rows, down, &mut out);
     dt.round_slice(&mut out);
     out

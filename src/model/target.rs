@@ -14,7 +14,14 @@ use crate::kernels::{self, DType};
 use crate::model::cache::KvCache;
 use crate::model::ops::{add_normed, attend, gelu_mlp, norm_heads, norm_rows};
 use crate::model::rope::Rope;
+use crate::quantize::Recipe;
 use crate::weights::{Tensor, WeightStore};
+
+/// Quantize a target's matrices in `store` with `recipe`; returns the summary line.
+pub fn quantize_target(store: &mut WeightStore, cfg: &TextConfig, recipe: Recipe) -> Result<String> {
+    let plan = crate::quantize::target_plan(recipe, cfg, store);
+    Ok(crate::quantize::apply(store, &plan)?.line("the model", recipe))
+}
 
 /// Which rows of a forward need logits and final hidden states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,9 +139,18 @@ pub struct TargetModel {
 impl TargetModel {
     /// Load a model directory (config.json, generation_config.json, safetensors).
     pub fn load(dir: &Path) -> Result<TargetModel> {
+        TargetModel::load_with(dir, None, |_| {})
+    }
+
+    /// Load a model directory, quantizing its matrices with `recipe` (docs/quantization.md); `say` gets
+    /// the one-line summary of the quantization.
+    pub fn load_with(dir: &Path, recipe: Option<Recipe>, say: impl FnOnce(String)) -> Result<TargetModel> {
         crate::files::require_dir(dir, "model directory")?;
         let cfg = load_model_config(dir)?.text;
-        let store = WeightStore::open(dir)?;
+        let mut store = WeightStore::open(dir)?;
+        if let Some(r) = recipe {
+            say(quantize_target(&mut store, &cfg, r)?);
+        }
         TargetModel::from_store(cfg, &store)
     }
 
@@ -147,7 +163,7 @@ impl TargetModel {
         }
         let vec = |name: &str, n: usize| -> Result<Vec<f32>> { store.require(name, &[n])?.to_f32() };
         let embed = store.require("embed_tokens.weight", &[v, h])?;
-        let dtype = embed.float_dtype()?;
+        let dtype = embed.compute_dtype()?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
         } else {
@@ -157,7 +173,7 @@ impl TargetModel {
                     if t.shape != [v, h] {
                         bail!("tensor `lm_head.weight` has shape {:?}, expected {:?}", t.shape, [v, h]);
                     }
-                    t.float_dtype()?;
+                    t.compute_dtype()?;
                     t.clone()
                 }
                 None => bail!("`tie_word_embeddings` is false but the checkpoint has no `lm_head.weight`"),

@@ -107,6 +107,8 @@ pub struct ServerConfig {
     pub step_delay: Option<Duration>,
     /// A test hook: requests are answered by this script instead of the engine (after all the checks).
     pub script: Option<Script>,
+    /// Quantize the models at load (`--quantize`).
+    pub quant: crate::quantize::LoadQuant,
 }
 
 /// What a scripted server answers a request with: the engine events for its prompt ids (see
@@ -146,6 +148,7 @@ impl ServerConfig {
             handle_signals: false,
             step_delay: None,
             script: None,
+            quant: crate::quantize::LoadQuant::default(),
         }
     }
 }
@@ -236,6 +239,7 @@ impl ServeArgs {
             handle_signals: true,
             step_delay,
             script: None,
+            quant: crate::quantize::LoadQuant::default(),
         })
     }
 }
@@ -295,7 +299,7 @@ pub struct Loaded {
 
 /// Load the models and start the engine (what a server does before it turns ready).
 pub fn load(cfg: &ServerConfig) -> Result<Loaded> {
-    let model = TargetModel::load(&cfg.model)?;
+    let model = TargetModel::load_with(&cfg.model, cfg.quant.recipe, |l| eprintln!("{l}"))?;
     let vocab = model.cfg.vocab_size;
     let tokenizer = if has_tokenizer(&cfg.model) {
         let tok = TextTokenizer::load(&cfg.model).context("cannot load the tokenizer")?;
@@ -316,7 +320,9 @@ pub fn load(cfg: &ServerConfig) -> Result<Loaded> {
     let template = template_src.as_deref().map(ChatTemplate::new).transpose()?;
     let template_tool_responses = template_src.as_deref().is_some_and(|s| s.contains("tool_responses"));
     let assistant = match &cfg.assistant {
-        Some(dir) => Some(Assistant::load_for(dir, &model.cfg)?),
+        Some(dir) => {
+            Some(Assistant::load_for_with(dir, &model.cfg, cfg.quant.assistant_recipe(), |l| eprintln!("{l}"))?)
+        }
         None => None,
     };
     let max_ctx = model.cfg.max_position_embeddings;
@@ -578,8 +584,9 @@ async fn wait_signal(enabled: bool) {
 }
 
 /// `tandem serve`.
-pub fn run(args: ServeArgs) -> Result<()> {
-    let cfg = args.config()?;
+pub fn run(args: ServeArgs, quant: crate::quantize::LoadQuant) -> Result<()> {
+    let mut cfg = args.config()?;
+    cfg.quant = quant;
     let (name, model) = (cfg.served_model_name.clone(), cfg.model.clone());
     let server = start(cfg)?;
     eprintln!("tandem serve: {} as `{name}` on http://{} (loading...)", model.display(), server.addr());

@@ -1,0 +1,338 @@
+//! Tests of the quantized formats and kernels: quantize/dequantize error per format, the reference
+//! matmul against `dot_row`, every SIMD path against the reference (within the float reordering the
+//! formats allow), and batch / split invariance of every path.
+
+use super::quant::{self, dequantize_row, quantize_acts, quantize_row, unpack, QActs, QMatRef, QType, Unpacked};
+use super::{matmul_quant, Isa, Split};
+
+/// splitmix64: small, seeded, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32() * scale).collect()
+    }
+}
+
+/// The SIMD paths this CPU can run (the quantized kernels exist for AVX2; the higher levels use them).
+fn simd_isas() -> Vec<Isa> {
+    Isa::available().into_iter().filter(|&i| i != Isa::Scalar).collect()
+}
+
+fn quantize(qt: QType, rows: usize, cols: usize, vals: &[f32]) -> Vec<u8> {
+    let rb = qt.row_bytes(cols).unwrap();
+    let mut out = vec![0u8; rows * rb];
+    for (x, o) in vals.chunks_exact(cols).zip(out.chunks_exact_mut(rb)) {
+        quantize_row(qt, x, o);
+    }
+    out
+}
+
+/// Random bytes in `qt`'s layout, every level and packed scale bit pattern possible, with the f16
+/// scales set to finite values of moderate size (random f16 bits would be NaN or huge).
+fn random_blocks(rng: &mut Rng, qt: QType, rows: usize, cols: usize) -> Vec<u8> {
+    let rb = qt.row_bytes(cols).unwrap();
+    let mut data: Vec<u8> = (0..rows * rb).map(|_| rng.next() as u8).collect();
+    let f16_at: &[usize] = match qt {
+        QType::Q8_0 | QType::Q4_0 | QType::Q5_0 => &[0],
+        QType::Q5_1 | QType::Q4_K | QType::Q5_K => &[0, 2],
+        QType::Q6_K => &[208],
+    };
+    for b in data.chunks_exact_mut(qt.block_bytes()) {
+        for &at in f16_at {
+            let v = half::f16::from_f32(rng.f32() * 0.05);
+            b[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+    }
+    data
+}
+
+fn run(isa: Isa, x: &[f32], m: usize, w: QMatRef, split: Split) -> Vec<f32> {
+    let mut out = vec![f32::NAN; m * w.rows];
+    matmul_quant(isa, x, m, w, &mut out, split);
+    out
+}
+
+/// Σ |terms| of output `(r, j)` as the formats compute it: each weight's scaled part and minimum
+/// part times the dequantized activation, in f64.
+fn abs_bound(qt: QType, w: &[u8], a: &QActs, r: usize) -> f64 {
+    let be = qt.block_elems();
+    let (xq, xd) = (a.row_qs(r), a.row_d(r));
+    let mut u = Unpacked::new();
+    let mut total = 0f64;
+    for (bi, b) in w.chunks_exact(qt.block_bytes()).enumerate() {
+        unpack(qt, b, &mut u);
+        for i in 0..be {
+            let x = (xq[bi * be + i] as f64 * xd[bi] as f64).abs();
+            let q = u.q[i] as f64;
+            let (d, m) = (u.d as f64, u.m as f64);
+            let (s, mn) = match qt {
+                QType::Q8_0 | QType::Q4_0 | QType::Q5_0 => (d * q, 0.0),
+                QType::Q5_1 => (d * q, m),
+                QType::Q4_K | QType::Q5_K => (d * u.sc[i / 32] as f64 * q, m * u.mn[i / 32] as f64),
+                QType::Q6_K => (d * u.sc[i / 16] as f64 * q, 0.0),
+            };
+            total += (s.abs() + mn.abs()) * x;
+        }
+    }
+    total
+}
+
+/// Every SIMD path against the reference: equal up to float summation order, i.e. within a few
+/// rounding errors per block of Σ |terms|.
+fn check_against_reference(qt: QType, w: QMatRef, x: &[f32], m: usize, what: &str) {
+    let want = run(Isa::Scalar, x, m, w, Split::Auto);
+    let acts = quantize_acts(qt, x, m, w.cols);
+    let nb = w.cols / qt.block_elems();
+    for isa in simd_isas() {
+        let got = run(isa, x, m, w, Split::Auto);
+        for i in 0..m {
+            for j in 0..w.rows {
+                let (g, r) = (got[i * w.rows + j], want[i * w.rows + j]);
+                let tol = (nb + 16) as f64 * 2.4e-7 * abs_bound(qt, w.row(j), &acts, i);
+                assert!(
+                    g.is_finite() && ((g - r) as f64).abs() <= tol,
+                    "{isa} {qt} {what} [{}x{}] m={m} ({i}, {j}): {g} vs reference {r} (tolerance {tol:e})",
+                    w.rows,
+                    w.cols
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn reference_matmul_is_dot_row() {
+    let mut rng = Rng(1);
+    for qt in QType::ALL {
+        let (rows, cols, m) = (7, 2 * QType::Q4_K.block_elems(), 3);
+        let data = quantize(qt, rows, cols, &rng.vec(rows * cols, 1.0));
+        let w = QMatRef::new(qt, rows, cols, &data);
+        let x = rng.vec(m * cols, 2.0);
+        let acts = quantize_acts(qt, &x, m, cols);
+        let mut out = vec![0f32; m * rows];
+        let mut outs: Vec<&mut [f32]> = out.chunks_mut(rows).collect();
+        quant::matmul(&acts, w, &mut outs);
+        for i in 0..m {
+            for j in 0..rows {
+                let d = quant::dot_row(qt, w.row(j), &acts, i);
+                assert_eq!(out[i * rows + j].to_bits(), d.to_bits(), "{qt} ({i}, {j})");
+            }
+        }
+    }
+}
+
+#[test]
+fn simd_matches_reference_on_many_shapes() {
+    let mut rng = Rng(2);
+    for qt in QType::ALL {
+        let be = qt.block_elems();
+        let mut shapes = vec![(1, be), (5, 2 * be), (13, 3 * be), (203, be), (13, 1536), (5, 6144)];
+        if be == 32 {
+            shapes.push((203, 96));
+        }
+        for (rows, cols) in shapes {
+            let data = quantize(qt, rows, cols, &rng.vec(rows * cols, 1.0));
+            let w = QMatRef::new(qt, rows, cols, &data);
+            for m in [1, 2, 3, 5] {
+                let x = rng.vec(m * cols, 3.0);
+                check_against_reference(qt, w, &x, m, "quantized random");
+            }
+        }
+    }
+}
+
+/// Raw random blocks: every level (Q8_0's -128 included), every packed 6-bit scale and minimum, Q6_K
+/// scales of -128, and the fifth / sixth bits, in every position.
+#[test]
+fn simd_matches_reference_on_random_bytes() {
+    let mut rng = Rng(3);
+    for qt in QType::ALL {
+        let (rows, cols) = (9, 4 * qt.block_elems().max(64));
+        let data = random_blocks(&mut rng, qt, rows, cols);
+        let w = QMatRef::new(qt, rows, cols, &data);
+        for m in [1, 4, 6] {
+            let x = rng.vec(m * cols, 1.0);
+            check_against_reference(qt, w, &x, m, "random bytes");
+        }
+    }
+}
+
+/// Blocks of extreme shapes for the weight quantizers (one outlier, constant, one-signed, tiny,
+/// alternating extremes) and activation rows of zeros, huge and tiny magnitudes.
+#[test]
+fn simd_matches_reference_on_extreme_values() {
+    let mut rng = Rng(4);
+    for qt in QType::ALL {
+        let cols = 2 * QType::Q4_K.block_elems();
+        let mut w = Vec::new();
+        let mut push = |row: Vec<f32>| w.extend(row);
+        push((0..cols).map(|i| if i % 97 == 5 { 1e4 } else { rng.f32() }).collect());
+        push(vec![0.75; cols]);
+        push((0..cols).map(|_| -rng.f32().abs() - 0.5).collect());
+        push((0..cols).map(|_| rng.f32().abs() * 40.0 + 1.0).collect());
+        push((0..cols).map(|_| rng.f32() * 1e-6).collect());
+        push((0..cols).map(|i| if i % 2 == 0 { 30.0 } else { -30.0 }).collect());
+        push((0..cols).map(|i| if (i / 16) % 2 == 0 { 0.0 } else { rng.f32() * 100.0 }).collect());
+        push(vec![0.0; cols]);
+        let rows = w.len() / cols;
+        let data = quantize(qt, rows, cols, &w);
+        let wm = QMatRef::new(qt, rows, cols, &data);
+        let mut x = Vec::new();
+        x.extend(vec![0f32; cols]);
+        // Q8_1 keeps each block's scaled sum as f16: past ~2000 per element it overflows (as in
+        // llama.cpp), so Q5_1's large rows are smaller.
+        x.extend(rng.vec(cols, if qt == QType::Q5_1 { 1e3 } else { 1e6 }));
+        x.extend(rng.vec(cols, 1e-6));
+        x.extend((0..cols).map(|i| if i % 3 == 0 { 127.0 } else { -127.0 }).collect::<Vec<_>>());
+        x.extend((0..cols).map(|i| if i % 50 == 7 { -1e3 } else { rng.f32() }).collect::<Vec<_>>());
+        let m = x.len() / cols;
+        check_against_reference(qt, wm, &x, m, "extreme values");
+    }
+}
+
+/// All-zero weights or activations give exact zeros on every path, also next to non-zero blocks.
+#[test]
+fn zero_blocks_give_zero() {
+    let mut rng = Rng(5);
+    for qt in QType::ALL {
+        let cols = 3 * qt.block_elems();
+        let mut vals = vec![0f32; 2 * cols];
+        vals[cols + qt.block_elems()..cols + 2 * qt.block_elems()].copy_from_slice(&rng.vec(qt.block_elems(), 1.0));
+        let data = quantize(qt, 2, cols, &vals);
+        let w = QMatRef::new(qt, 2, cols, &data);
+        let mut x = rng.vec(2 * cols, 1.0);
+        x[cols..].fill(0.0);
+        // Activations zero exactly where the second weight row is not.
+        x[qt.block_elems()..2 * qt.block_elems()].fill(0.0);
+        for isa in Isa::available() {
+            let out = run(isa, &x, 2, w, Split::Auto);
+            assert_eq!(out, vec![0.0; 4], "{isa} {qt}");
+        }
+    }
+}
+
+/// Every path gives row `i` of an `m`-row product the same bits as that row alone, whatever `m`
+/// (1..=16) and however the weight rows are split over threads.
+#[test]
+fn quant_matmul_is_bit_exact_across_batch_and_splits() {
+    let mut rng = Rng(6);
+    let pool3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    for qt in QType::ALL {
+        let cols = 2 * QType::Q4_K.block_elems();
+        let rows = 37;
+        let data = quantize(qt, rows, cols, &rng.vec(rows * cols, 1.0));
+        let w = QMatRef::new(qt, rows, cols, &data);
+        let mut x = rng.vec(16 * cols, 1.0);
+        x[3 * cols..4 * cols].fill(0.0);
+        for v in &mut x[9 * cols..10 * cols] {
+            *v *= 1e5;
+        }
+        for isa in Isa::available() {
+            let single: Vec<Vec<f32>> =
+                (0..16).map(|i| run(isa, &x[i * cols..(i + 1) * cols], 1, w, Split::Auto)).collect();
+            for m in 1..=16 {
+                let xs = &x[..m * cols];
+                let auto = run(isa, xs, m, w, Split::Auto);
+                let split = pool3.install(|| run(isa, xs, m, w, Split::Rows(12)));
+                let odd = pool3.install(|| run(isa, xs, m, w, Split::Rows(5)));
+                for (name, other) in [("chunks of 12", &split), ("chunks of 5", &odd)] {
+                    assert!(
+                        auto.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa} {qt} m={m}: {name}"
+                    );
+                }
+                for (i, want) in single.iter().enumerate().take(m) {
+                    let row = &auto[i * rows..(i + 1) * rows];
+                    assert!(
+                        row.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa} {qt} m={m} row {i}: batch variance"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Dequantize ∘ quantize on random data: per-block error bounds where the format has a simple one,
+/// and RMSE growing as the bits shrink.
+#[test]
+fn dequantized_error_bounds() {
+    let mut rng = Rng(7);
+    let n = 64 * 256;
+    let x = rng.vec(n, 1.0);
+    let mut rmse = std::collections::HashMap::new();
+    for qt in QType::ALL {
+        let data = quantize(qt, 1, n, &x);
+        let mut y = vec![0f32; n];
+        dequantize_row(qt, &data, &mut y);
+        let mut u = Unpacked::new();
+        for (bi, b) in data.chunks_exact(qt.block_bytes()).enumerate() {
+            unpack(qt, b, &mut u);
+            let be = qt.block_elems();
+            let (xs, ys) = (&x[bi * be..(bi + 1) * be], &y[bi * be..(bi + 1) * be]);
+            let max_err = xs.iter().zip(ys).fold(0f32, |a, (p, q)| a.max((p - q).abs()));
+            let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let bound = match qt {
+                // Rounding to the nearest level (the scale is f16-rounded: a little slack).
+                QType::Q8_0 => u.d.abs() / 2.0 + amax * 2e-3,
+                // The level opposite the largest value can clamp: up to one step.
+                QType::Q4_0 | QType::Q5_0 => u.d.abs() + amax * 2e-3,
+                QType::Q5_1 => u.d.abs() / 2.0 + amax * 2e-3,
+                // Sub-block scales on 6 bits: loose, but catches layout errors.
+                QType::Q4_K => 2.5 * amax / 15.0,
+                QType::Q5_K => 2.5 * amax / 31.0,
+                QType::Q6_K => 2.5 * amax / 31.0,
+            };
+            assert!(max_err <= bound, "{qt} block {bi}: max error {max_err} > {bound}");
+        }
+        let e = (x.iter().zip(&y).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>() / n as f64).sqrt();
+        rmse.insert(qt, e);
+    }
+    let r = |q: QType| rmse[&q];
+    // Uniform [-1, 1): step / sqrt(12) with steps 2/254 (Q8_0), 2/16 (Q4_0), 2/32 (Q5_0).
+    assert!(r(QType::Q8_0) < 0.003, "{rmse:?}");
+    assert!(r(QType::Q4_0) < 0.045, "{rmse:?}");
+    assert!(r(QType::Q4_0) > r(QType::Q5_0) && r(QType::Q5_0) > r(QType::Q8_0), "{rmse:?}");
+    assert!(r(QType::Q5_0) > r(QType::Q5_1) * 0.9, "{rmse:?}");
+    assert!(r(QType::Q4_K) > r(QType::Q5_K) && r(QType::Q5_K) > r(QType::Q6_K), "{rmse:?}");
+    assert!(r(QType::Q6_K) > r(QType::Q8_0), "{rmse:?}");
+    assert!(r(QType::Q4_K) < 0.045 && r(QType::Q6_K) < 0.012, "{rmse:?}");
+}
+
+/// The activation quantizers: levels within ±127, and dequantized within half a step of the input.
+#[test]
+fn activation_quantization_bounds() {
+    let mut rng = Rng(8);
+    for qt in [QType::Q8_0, QType::Q5_1, QType::Q4_K] {
+        let (m, k) = (3, 512);
+        let mut x = rng.vec(m * k, 5.0);
+        x[k..2 * k].fill(0.0);
+        let a = quantize_acts(qt, &x, m, k);
+        let be = a.block();
+        for r in 0..m {
+            for (i, (&q, &v)) in a.row_qs(r).iter().zip(&x[r * k..(r + 1) * k]).enumerate() {
+                let d = a.row_d(r)[i / be];
+                assert!(q > -128, "{qt}");
+                // Q8_0's scale is f16-rounded after the levels are chosen: a little slack.
+                assert!((q as f32 * d - v).abs() <= d.abs() * 0.502 + v.abs() * 1e-3, "{qt} row {r} elem {i}");
+            }
+            if !a.bsums.is_empty() {
+                for (g, s) in a.row_qs(r).chunks_exact(16).zip(&a.bsums[r * k / 16..(r + 1) * k / 16]) {
+                    assert_eq!(g.iter().map(|&v| v as i16).sum::<i16>(), *s);
+                }
+            }
+        }
+    }
+}
