@@ -43,7 +43,8 @@ pub fn use_huge_pages(on: bool) {
     HUGE_PAGES.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-fn huge_pages() -> bool {
+/// Whether [`use_huge_pages`] is on.
+pub fn huge_pages() -> bool {
     HUGE_PAGES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
@@ -230,6 +231,13 @@ const TEXT_PREFIXES: [&str; 5] = ["model.language_model.", "model.", "language_m
 impl WeightStore {
     /// Open `model.safetensors` or `model.safetensors.index.json` (and its shards) in `dir`.
     pub fn open(dir: &Path) -> Result<WeightStore> {
+        WeightStore::open_with(dir, huge_pages())
+    }
+
+    /// [`WeightStore::open`], copying the files into huge-page memory only when `huge` is set (a store about
+    /// to be quantized is not: its float matrices are copied after, by [`WeightStore::move_floats_to_huge_pages`],
+    /// so that the unquantized weights are never held twice).
+    pub fn open_with(dir: &Path, huge: bool) -> Result<WeightStore> {
         let index = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let mut tensors = HashMap::new();
@@ -255,7 +263,7 @@ impl WeightStore {
                 files.insert(file.to_string());
             }
             for file in &files {
-                load_file(&dir.join(file), &mut tensors)?;
+                load_file(&dir.join(file), &mut tensors, huge)?;
             }
             for (name, file) in map {
                 if !tensors.contains_key(name) {
@@ -267,7 +275,7 @@ impl WeightStore {
                 }
             }
         } else if crate::files::exists(&single) {
-            load_file(&single, &mut tensors)?;
+            load_file(&single, &mut tensors, huge)?;
         } else {
             bail!("{}: no model.safetensors or model.safetensors.index.json", dir.display());
         }
@@ -337,6 +345,22 @@ impl WeightStore {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// With `--huge-pages`, copy every float tensor of at least one huge page that still lives in a file
+    /// mapping into huge-page memory of its own (what `open` does for whole files).
+    pub fn move_floats_to_huge_pages(&mut self) -> Result<()> {
+        if !huge_pages() {
+            return Ok(());
+        }
+        for t in self.tensors.values_mut() {
+            if matches!(t.dtype, StoredDtype::Float(_)) && t.len >= HUGE_PAGE && matches!(*t.buf, Buffer::Mapped(_)) {
+                let copy = huge_copy(t.bytes()).with_context(|| format!("tensor `{}`: cannot copy into huge pages", t.name))?;
+                t.buf = Arc::new(copy);
+                t.offset = 0;
+            }
+        }
+        Ok(())
+    }
+
     /// Replace (or add) a tensor under its full name.
     pub fn insert(&mut self, t: Tensor) {
         self.tensors.insert(t.name.clone(), t);
@@ -352,7 +376,7 @@ fn check_shape(t: &Tensor, shape: &[usize], source: &Path) -> Result<()> {
     Ok(())
 }
 
-fn load_file(path: &Path, out: &mut HashMap<String, Tensor>) -> Result<()> {
+fn load_file(path: &Path, out: &mut HashMap<String, Tensor>, huge: bool) -> Result<()> {
     let file = crate::files::open_regular(path)?;
     // SAFETY: the file is mapped read-only; tandem never writes it, and a model directory being
     // rewritten while it runs is outside what any loader can defend against.
@@ -361,7 +385,7 @@ fn load_file(path: &Path, out: &mut HashMap<String, Tensor>) -> Result<()> {
         .map_err(|e| anyhow!("{}: {}", path.display(), describe_header_error(&mmap, e)))?;
     let data_start = 8 + header_len;
     let file_len = mmap.len();
-    let buf = Arc::new(if huge_pages() {
+    let buf = Arc::new(if huge {
         huge_copy(&mmap).with_context(|| format!("{}: cannot copy into huge pages", path.display()))?
     } else {
         populate(&mmap);

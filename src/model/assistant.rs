@@ -155,9 +155,10 @@ impl Assistant {
     ) -> Result<Assistant> {
         crate::files::require_dir(dir, "assistant directory")?;
         let cfg = load_assistant_config(dir)?;
-        let mut store = WeightStore::open(dir)?;
+        let mut store = WeightStore::open_with(dir, recipe.is_none() && crate::weights::huge_pages())?;
         if let Some(r) = recipe {
             say(quantize_assistant(&mut store, &cfg, r)?);
+            store.move_floats_to_huge_pages()?;
         }
         Assistant::from_store(cfg, &store)
     }
