@@ -266,6 +266,7 @@ pub fn apply(store: &mut WeightStore, plan: &Plan) -> Result<Summary> {
         summary.bytes_after += quantized.bytes().len();
         counts[QType::ALL.iter().position(|t| t == q).expect("a known type")] += 1;
         store.insert(quantized);
+        src.release_pages();
     }
     bar.finish_and_clear();
     summary.per_type = QType::ALL.into_iter().zip(counts).filter(|(_, n)| *n > 0).collect();

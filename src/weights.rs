@@ -177,6 +177,23 @@ impl Tensor {
         }
     }
 
+    /// Let the kernel drop this tensor's pages of a file mapping (after it was quantized into memory of its
+    /// own, its source is not read again): the resident memory of a quantized model is then the quantized
+    /// size, not that plus the checkpoint's. Pages shared with neighbouring tensors are kept.
+    pub fn release_pages(&self) {
+        let Buffer::Mapped(map) = &*self.buf else { return };
+        const PAGE: usize = 4096;
+        let start = (map.as_ptr() as usize + self.offset).next_multiple_of(PAGE) - map.as_ptr() as usize;
+        let end =
+            ((map.as_ptr() as usize + self.offset + self.len) / PAGE * PAGE).saturating_sub(map.as_ptr() as usize);
+        if end > start {
+            // SAFETY: the mapping is a read-only file mapping (`Mmap`): MADV_DONTNEED only drops its resident
+            // pages, and a later access would read them from the file again; it cannot change what any
+            // slice of it holds.
+            let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+        }
+    }
+
     /// The dtype the weights had before any quantization: the precision the forward pass rounds to.
     pub fn compute_dtype(&self) -> Result<DType> {
         match self.dtype {
@@ -231,13 +248,14 @@ const TEXT_PREFIXES: [&str; 5] = ["model.language_model.", "model.", "language_m
 impl WeightStore {
     /// Open `model.safetensors` or `model.safetensors.index.json` (and its shards) in `dir`.
     pub fn open(dir: &Path) -> Result<WeightStore> {
-        WeightStore::open_with(dir, huge_pages())
+        WeightStore::open_with(dir, false)
     }
 
-    /// [`WeightStore::open`], copying the files into huge-page memory only when `huge` is set (a store about
-    /// to be quantized is not: its float matrices are copied after, by [`WeightStore::move_floats_to_huge_pages`],
-    /// so that the unquantized weights are never held twice).
-    pub fn open_with(dir: &Path, huge: bool) -> Result<WeightStore> {
+    /// [`WeightStore::open`] for a store about to be quantized (`to_quantize`): its files are neither copied
+    /// into huge pages nor read into memory up front, so that the unquantized weights are never held
+    /// whole next to the quantized ones (`quantize::apply` reads each tensor once and releases its pages,
+    /// and [`WeightStore::move_floats_to_huge_pages`] copies what stays in float afterwards).
+    pub fn open_with(dir: &Path, to_quantize: bool) -> Result<WeightStore> {
         let index = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let mut tensors = HashMap::new();
@@ -263,7 +281,7 @@ impl WeightStore {
                 files.insert(file.to_string());
             }
             for file in &files {
-                load_file(&dir.join(file), &mut tensors, huge)?;
+                load_file(&dir.join(file), &mut tensors, to_quantize)?;
             }
             for (name, file) in map {
                 if !tensors.contains_key(name) {
@@ -275,7 +293,7 @@ impl WeightStore {
                 }
             }
         } else if crate::files::exists(&single) {
-            load_file(&single, &mut tensors, huge)?;
+            load_file(&single, &mut tensors, to_quantize)?;
         } else {
             bail!("{}: no model.safetensors or model.safetensors.index.json", dir.display());
         }
@@ -353,7 +371,8 @@ impl WeightStore {
         }
         for t in self.tensors.values_mut() {
             if matches!(t.dtype, StoredDtype::Float(_)) && t.len >= HUGE_PAGE && matches!(*t.buf, Buffer::Mapped(_)) {
-                let copy = huge_copy(t.bytes()).with_context(|| format!("tensor `{}`: cannot copy into huge pages", t.name))?;
+                let copy = huge_copy(t.bytes())
+                    .with_context(|| format!("tensor `{}`: cannot copy into huge pages", t.name))?;
                 t.buf = Arc::new(copy);
                 t.offset = 0;
             }
@@ -376,7 +395,7 @@ fn check_shape(t: &Tensor, shape: &[usize], source: &Path) -> Result<()> {
     Ok(())
 }
 
-fn load_file(path: &Path, out: &mut HashMap<String, Tensor>, huge: bool) -> Result<()> {
+fn load_file(path: &Path, out: &mut HashMap<String, Tensor>, to_quantize: bool) -> Result<()> {
     let file = crate::files::open_regular(path)?;
     // SAFETY: the file is mapped read-only; tandem never writes it, and a model directory being
     // rewritten while it runs is outside what any loader can defend against.
@@ -385,10 +404,12 @@ fn load_file(path: &Path, out: &mut HashMap<String, Tensor>, huge: bool) -> Resu
         .map_err(|e| anyhow!("{}: {}", path.display(), describe_header_error(&mmap, e)))?;
     let data_start = 8 + header_len;
     let file_len = mmap.len();
-    let buf = Arc::new(if huge {
+    let buf = Arc::new(if huge_pages() && !to_quantize {
         huge_copy(&mmap).with_context(|| format!("{}: cannot copy into huge pages", path.display()))?
     } else {
-        populate(&mmap);
+        if !to_quantize {
+            populate(&mmap);
+        }
         Buffer::Mapped(mmap)
     });
     for (name, info) in meta.tensors() {

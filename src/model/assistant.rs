@@ -155,7 +155,7 @@ impl Assistant {
     ) -> Result<Assistant> {
         crate::files::require_dir(dir, "assistant directory")?;
         let cfg = load_assistant_config(dir)?;
-        let mut store = WeightStore::open_with(dir, recipe.is_none() && crate::weights::huge_pages())?;
+        let mut store = WeightStore::open_with(dir, recipe.is_some())?;
         if let Some(r) = recipe {
             say(quantize_assistant(&mut store, &cfg, r)?);
             store.move_floats_to_huge_pages()?;

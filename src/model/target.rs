@@ -147,7 +147,7 @@ impl TargetModel {
     pub fn load_with(dir: &Path, recipe: Option<Recipe>, say: impl FnOnce(String)) -> Result<TargetModel> {
         crate::files::require_dir(dir, "model directory")?;
         let cfg = load_model_config(dir)?.text;
-        let mut store = WeightStore::open_with(dir, recipe.is_none() && crate::weights::huge_pages())?;
+        let mut store = WeightStore::open_with(dir, recipe.is_some())?;
         if let Some(r) = recipe {
             say(quantize_target(&mut store, &cfg, r)?);
             store.move_floats_to_huge_pages()?;
