@@ -24,6 +24,8 @@ mod avx2_quant;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
+mod avx512_quant;
+#[cfg(target_arch = "x86_64")]
 mod avx512bf16;
 #[cfg(test)]
 mod quant_tests;
@@ -346,6 +348,8 @@ pub(crate) fn matmul_quant(isa: Isa, x: &[f32], m: usize, w: QMatRef, out: &mut 
     tiling::for_row_ranges(n, w.row_bytes(), k, m, out, split, |rows, outs| {
         let wc = w.slice_rows(rows.start, rows.len());
         match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx512Bf16 if avx512_quant::supported() => avx512_quant::matmul(&acts, wc, outs),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => avx2_quant::matmul(&acts, wc, outs),
             _ => quant::matmul(&acts, wc, outs),

@@ -140,12 +140,13 @@ fn simd_matches_reference_on_many_shapes() {
         let be = qt.block_elems();
         let mut shapes = vec![(1, be), (5, 2 * be), (13, 3 * be), (203, be), (13, 1536), (5, 6144)];
         if be == 32 {
-            shapes.push((203, 96));
+            // Whole 4-block steps of the AVX-512 kernels plus 1, 2 or 3 blocks.
+            shapes.extend([(203, 96), (7, 5 * 32), (6, 7 * 32), (9, 6 * 32)]);
         }
         for (rows, cols) in shapes {
             let data = quantize(qt, rows, cols, &rng.vec(rows * cols, 1.0));
             let w = QMatRef::new(qt, rows, cols, &data);
-            for m in [1, 2, 3, 5] {
+            for m in [1, 2, 3, 5, 8, 16] {
                 let x = rng.vec(m * cols, 3.0);
                 check_against_reference(qt, w, &x, m, "quantized random");
             }
@@ -331,6 +332,71 @@ fn activation_quantization_bounds() {
             if !a.bsums.is_empty() {
                 for (g, s) in a.row_qs(r).chunks_exact(16).zip(&a.bsums[r * k / 16..(r + 1) * k / 16]) {
                     assert_eq!(g.iter().map(|&v| v as i16).sum::<i16>(), *s);
+                }
+            }
+        }
+    }
+}
+
+/// The AVX-512 VNNI kernels called directly (not through the dispatch), when the CPU has them: every
+/// tile shape (m = 1..=16 against 4-row tiles and 1-row leftovers), against the reference within
+/// float reordering, on quantized and on raw random blocks, with partial 4-block steps; and the
+/// dispatch of `Isa::Avx512` / `Isa::Avx512Bf16` gives exactly their bits. Skipped without AVX-512 VNNI.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_vnni_kernels_direct() {
+    use super::avx512_quant;
+    if !avx512_quant::supported() {
+        eprintln!("no AVX-512 VNNI on this CPU: avx512_quant not tested");
+        return;
+    }
+    let mut rng = Rng(9);
+    for qt in QType::ALL {
+        let be = qt.block_elems();
+        let cols = if be == 32 { 7 * 32 } else { 2 * be };
+        let rows = 11;
+        for raw in [false, true] {
+            let data = if raw {
+                random_blocks(&mut rng, qt, rows, cols)
+            } else {
+                quantize(qt, rows, cols, &rng.vec(rows * cols, 1.0))
+            };
+            let w = QMatRef::new(qt, rows, cols, &data);
+            let x = rng.vec(16 * cols, 2.0);
+            let direct = |xs: &[f32], m: usize| {
+                let acts = quantize_acts(qt, xs, m, cols);
+                let mut got = vec![f32::NAN; m * rows];
+                let mut outs: Vec<&mut [f32]> = got.chunks_mut(rows).collect();
+                avx512_quant::matmul(&acts, w, &mut outs);
+                (acts, got)
+            };
+            let single: Vec<Vec<f32>> = (0..16).map(|i| direct(&x[i * cols..(i + 1) * cols], 1).1).collect();
+            for m in 1..=16 {
+                let (acts, got) = direct(&x[..m * cols], m);
+                for (i, want) in single.iter().enumerate().take(m) {
+                    assert!(
+                        got[i * rows..(i + 1) * rows].iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{qt} raw={raw} m={m} row {i}: batch variance"
+                    );
+                }
+                for i in 0..m {
+                    for j in 0..rows {
+                        let (g, r) = (got[i * rows + j], quant::dot_row(qt, w.row(j), &acts, i));
+                        let tol = (cols / be + 16) as f64 * 2.4e-7 * abs_bound(qt, w.row(j), &acts, i);
+                        assert!(
+                            g.is_finite() && ((g - r) as f64).abs() <= tol,
+                            "{qt} raw={raw} m={m} ({i}, {j}): {g} vs reference {r} (tolerance {tol:e})"
+                        );
+                    }
+                }
+                for isa in [Isa::Avx512, Isa::Avx512Bf16] {
+                    if Isa::available().contains(&isa) {
+                        let via = run(isa, &x[..m * cols], m, w, Split::Rows(5));
+                        assert!(
+                            via.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{isa} {qt} m={m}: dispatch differs from avx512_quant"
+                        );
+                    }
                 }
             }
         }
