@@ -706,7 +706,9 @@ pub fn quantize_acts(qt: QType, x: &[f32], m: usize, k: usize) -> QActs {
             let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
             let mut sum = 0i32;
             for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * id).round_ties_even() as i8;
+                // |v·id| ≤ 127 (+ rounding), where `nearest_int` is round-half-even like the SIMD quantizers'
+                // rounding, and inlined (`round_ties_even` is a libm call on baseline x86-64).
+                *q = nearest_int(v * id).clamp(-127, 127) as i8;
                 sum += *q as i32;
             }
             a.d[bi] = f16::from_f32(d).to_f32();
