@@ -2,7 +2,7 @@
 E2B-dims model (../shared/bench: 10 layers, random weights) quantized by each engine from the same bf16
 source (llama.cpp: `llama-quantize` files written by the kit's convert.sh; tandem: `--quantize` at load).
 
-usage: python3 scripts/side_by_side_quant.py TANDEM_BIN [--reps 3] [--formats q8_0,q4_k_m] [--out FILE.json]
+usage: python3 scripts/side_by_side_quant.py TANDEM_BIN [--reps 3] [--formats q8_0,q4_k_m] [--no-drafting] [--out FILE.json]
 env:   A (the kit's directory, default ~/anchors) holding e2b10/, e2b10-assistant/, gguf/e2b10-{bf16,q8_0,q4_k_m}.gguf,
        build/bin/ and prompt128.txt
 
@@ -10,7 +10,7 @@ Per repetition and format, in this order (so drift of the shared machine hits bo
   llama-completion plain, tandem --no-draft, llama-bench -p 1,5 -d 128 (5 rows vs 1 at depth 128),
   tandem bench --model e2b10 --rows 5, llama-speculative-simple with the bf16 drafter (draft-mtp, k=4),
   tandem --draft-tokens 4 and auto (random weights: drafts are almost never accepted, so these measure
-  what drafting costs when it does not pay). Summarise with scripts/side_by_side_summary.py --quant.
+  what drafting costs when it does not pay; `--no-drafting` leaves these three out). Summarise with scripts/side_by_side_summary.py --quant.
 Run it on an otherwise idle machine, or under `chrt -f 10`: llama.cpp's spinning threads collapse when
 anything else wants a core.
 """
@@ -23,6 +23,7 @@ arg = lambda name, default: sys.argv[sys.argv.index(name) + 1] if name in sys.ar
 reps = int(arg("--reps", "3"))
 formats = arg("--formats", "q8_0,q4_k_m").split(",")
 out = arg("--out", None)
+drafting = "--no-drafting" not in sys.argv
 prompt = open(f"{A}/prompt128.txt").read()
 R = {}
 
@@ -96,9 +97,10 @@ for rep in range(reps):
         add(f"tandem {fmt} plain", tandem_gen(fmt, ["--no-draft"]))
         add(f"llama {fmt} rows", llama_rows(fmt))
         add(f"tandem {fmt} rows", tandem_rows(fmt))
-        add(f"llama {fmt} mtp k4", llama_mtp(fmt))
-        add(f"tandem {fmt} mtp k4", tandem_gen(fmt, ["--draft-tokens", "4"]))
-        add(f"tandem {fmt} mtp auto", tandem_gen(fmt, ["--draft-tokens", "auto"]))
+        if drafting:
+            add(f"llama {fmt} mtp k4", llama_mtp(fmt))
+            add(f"tandem {fmt} mtp k4", tandem_gen(fmt, ["--draft-tokens", "4"]))
+            add(f"tandem {fmt} mtp auto", tandem_gen(fmt, ["--draft-tokens", "auto"]))
 
 if out:
     json.dump(R, open(out, "w"), indent=1)
