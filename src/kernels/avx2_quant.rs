@@ -422,15 +422,8 @@ struct KMin {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn kmin_scales(p: *const u8, w: &mut KMin) {
     let word = |at: usize| (p.add(at) as *const u32).read_unaligned();
-    let (u0, u1, u2) = (word(4), word(8), word(12));
-    // Sub-blocks 0..4: the low 6 bits of bytes 0..4 (scales) and 4..8 (minimums); 4..8: the nibbles of
-    // bytes 8..12 with the top two bits of bytes 0..4 / 4..8 above them.
-    let sc_lo = u0 & 0x3f3f_3f3f;
-    let mn_lo = u1 & 0x3f3f_3f3f;
-    let sc_hi = (u2 & 0x0f0f_0f0f) | (((u0 >> 6) & 0x0303_0303) << 4);
-    let mn_hi = ((u2 >> 4) & 0x0f0f_0f0f) | (((u1 >> 6) & 0x0303_0303) << 4);
-    let sc8 = (sc_lo as u64 | ((sc_hi as u64) << 32)) as i64;
-    let mn8 = (mn_lo as u64 | ((mn_hi as u64) << 32)) as i64;
+    let (sc8, mn8) = super::quant::scales_mins_k4(word(4), word(8), word(12));
+    let (sc8, mn8) = (sc8 as i64, mn8 as i64);
     let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc8));
     let scb = _mm256_broadcastsi128_si256(sc16);
     for (s, ctl) in w.sc.iter_mut().zip(&BCAST16) {

@@ -5,30 +5,8 @@
 use super::quant::{self, dequantize_row, quantize_acts, quantize_row, unpack, QActs, QMatRef, QType, Unpacked};
 use super::{matmul_quant, Isa, Split};
 
-/// splitmix64: small, seeded, good enough for test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn f32(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f32() * scale).collect()
-    }
-}
-
-/// The SIMD paths this CPU can run (the quantized kernels exist for AVX2; the higher levels use them).
-fn simd_isas() -> Vec<Isa> {
-    Isa::available().into_iter().filter(|&i| i != Isa::Scalar).collect()
-}
+// The quantized kernels exist for AVX2 and AVX-512 VNNI; every SIMD level the CPU runs reaches one of them.
+use super::tests::{simd_isas, Rng};
 
 fn quantize(qt: QType, rows: usize, cols: usize, vals: &[f32]) -> Vec<u8> {
     let rb = qt.row_bytes(cols).unwrap();

@@ -3,10 +3,10 @@
 use super::*;
 
 /// splitmix64: small, seeded, good enough for test data.
-struct Rng(u64);
+pub(super) struct Rng(pub u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -14,15 +14,15 @@ impl Rng {
         z ^ (z >> 31)
     }
     /// Uniform in [-1, 1).
-    fn f32(&mut self) -> f32 {
+    pub fn f32(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| self.f32() * scale).collect()
     }
 }
 
-fn simd_isas() -> Vec<Isa> {
+pub(super) fn simd_isas() -> Vec<Isa> {
     Isa::available().into_iter().filter(|&i| i != Isa::Scalar).collect()
 }
 
