@@ -70,7 +70,12 @@ pub fn read_text(path: &Path) -> Result<String> {
 pub fn require_dir(dir: &Path, what: &str) -> Result<()> {
     match std::fs::metadata(dir) {
         Ok(m) if m.is_dir() => Ok(()),
-        Ok(m) if m.is_file() => bail!("{what} {} is a file, not a model directory", dir.display()),
+        Ok(m) if m.is_file() => {
+            bail!(
+                "{what} {} is a file, not a model directory (nor a GGUF file: it does not start with \"GGUF\")",
+                dir.display()
+            )
+        }
         Ok(m) => bail!("{what} {} is {}, not a model directory", dir.display(), kind_of(&m)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!("{what} {} does not exist", dir.display()),
         Err(e) => bail!("{what} {}: {e}", dir.display()),

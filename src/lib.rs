@@ -5,6 +5,7 @@ pub mod config;
 pub mod decode;
 pub mod engine;
 pub mod files;
+pub mod gguf;
 pub mod kernels;
 pub mod model;
 pub mod params;

@@ -24,7 +24,7 @@ pub enum Buffer {
 }
 
 impl Buffer {
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             Buffer::Mapped(m) => m,
             Buffer::Owned(v) => v,
@@ -72,6 +72,19 @@ fn populate(mmap: &Mmap) {
         // Kernels before 5.14 have no MADV_POPULATE_READ: at least start reading ahead.
         let _ = mmap.advise(Advice::WillNeed);
     }
+}
+
+/// A model file's mapping as tensors will read it: copied into huge pages with `--huge-pages`, otherwise
+/// kept mapped and read in up front (`populate`). A file about to be quantized (`to_quantize`) is neither:
+/// each tensor is read once by the quantizer and its pages released.
+pub(crate) fn file_buffer(mmap: Mmap, to_quantize: bool) -> Result<Buffer> {
+    if huge_pages() && !to_quantize {
+        return huge_copy(&mmap).context("cannot copy into huge pages");
+    }
+    if !to_quantize {
+        populate(&mmap);
+    }
+    Ok(Buffer::Mapped(mmap))
 }
 
 /// Element type as stored; float and quantized types are usable as weights, integers appear in drafters.
@@ -147,6 +160,19 @@ impl Tensor {
         };
         let dtype = StoredDtype::Quant { q, from };
         Tensor { name: name.to_string(), dtype, shape, buf: Arc::new(buf), offset: 0, len }
+    }
+
+    /// A view of `len` bytes at `offset` of a shared buffer (a model file), checked to hold `shape`.
+    pub(crate) fn mapped(
+        name: &str,
+        dtype: StoredDtype,
+        shape: Vec<usize>,
+        buf: Arc<Buffer>,
+        offset: usize,
+        len: usize,
+    ) -> Tensor {
+        assert!(offset.checked_add(len).is_some_and(|e| e <= buf.bytes().len()), "tensor view inside its buffer");
+        Tensor { name: name.to_string(), dtype, shape, buf, offset, len }
     }
 
     pub fn owned_i64(name: &str, values: &[i64]) -> Tensor {
@@ -320,6 +346,11 @@ impl WeightStore {
         }
     }
 
+    /// Name the file the tensors came from, for errors.
+    pub fn set_source(&mut self, path: &Path) {
+        self.source = path.to_path_buf();
+    }
+
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
@@ -404,14 +435,7 @@ fn load_file(path: &Path, out: &mut HashMap<String, Tensor>, to_quantize: bool) 
         .map_err(|e| anyhow!("{}: {}", path.display(), describe_header_error(&mmap, e)))?;
     let data_start = 8 + header_len;
     let file_len = mmap.len();
-    let buf = Arc::new(if huge_pages() && !to_quantize {
-        huge_copy(&mmap).with_context(|| format!("{}: cannot copy into huge pages", path.display()))?
-    } else {
-        if !to_quantize {
-            populate(&mmap);
-        }
-        Buffer::Mapped(mmap)
-    });
+    let buf = Arc::new(file_buffer(mmap, to_quantize).with_context(|| format!("{}", path.display()))?);
     for (name, info) in meta.tensors() {
         let (start, end) = info.data_offsets;
         let dtype = StoredDtype::from_st(info.dtype);

@@ -153,6 +153,17 @@ impl Assistant {
         recipe: Option<crate::quantize::Recipe>,
         say: impl FnOnce(String),
     ) -> Result<Assistant> {
+        if crate::gguf::is_gguf(dir) {
+            let m = crate::gguf::GgufModel::open(dir, recipe.is_some())?;
+            let cfg = crate::gguf::gemma4::assistant_config(&m)?;
+            let mut store = crate::gguf::gemma4::assistant_store(&m)?;
+            if let Some(r) = recipe {
+                crate::gguf::gemma4::refuse_requantize(&m, r)?;
+                say(quantize_assistant(&mut store, &cfg, r)?);
+                store.move_floats_to_huge_pages()?;
+            }
+            return Assistant::from_store(cfg, &store).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()));
+        }
         crate::files::require_dir(dir, "assistant directory")?;
         let cfg = load_assistant_config(dir)?;
         let mut store = WeightStore::open_with(dir, recipe.is_some())?;

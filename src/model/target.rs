@@ -144,7 +144,11 @@ impl TargetModel {
 
     /// Load a model directory, quantizing its matrices with `recipe` (docs/quantization.md); `say` gets
     /// the one-line summary of the quantization.
+    /// `dir` may also be a GGUF file (docs/gguf.md).
     pub fn load_with(dir: &Path, recipe: Option<Recipe>, say: impl FnOnce(String)) -> Result<TargetModel> {
+        if crate::gguf::is_gguf(dir) {
+            return TargetModel::load_gguf(dir, recipe, say);
+        }
         crate::files::require_dir(dir, "model directory")?;
         let cfg = load_model_config(dir)?.text;
         let mut store = WeightStore::open_with(dir, recipe.is_some())?;
@@ -153,6 +157,18 @@ impl TargetModel {
             store.move_floats_to_huge_pages()?;
         }
         TargetModel::from_store(cfg, &store)
+    }
+
+    fn load_gguf(path: &Path, recipe: Option<Recipe>, say: impl FnOnce(String)) -> Result<TargetModel> {
+        let m = crate::gguf::GgufModel::open(path, recipe.is_some())?;
+        let cfg = crate::gguf::gemma4::target_config(&m)?;
+        let mut store = crate::gguf::gemma4::target_store(&m)?;
+        if let Some(r) = recipe {
+            crate::gguf::gemma4::refuse_requantize(&m, r)?;
+            say(quantize_target(&mut store, &cfg, r)?);
+            store.move_floats_to_huge_pages()?;
+        }
+        TargetModel::from_store(cfg, &store).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
     }
 
     /// Build from tensors (names below the text-model prefix), checking every name and shape.
