@@ -56,6 +56,19 @@ enum Command {
     Bench(BenchArgs),
     /// Serve an OpenAI-compatible HTTP API on the batched engine (docs/serve.md).
     Serve(tandem::serve::ServeArgs),
+    /// Write a model (target or assistant; a directory or a GGUF file) as a GGUF file that llama.cpp also
+    /// runs, quantized with --quantize q8_0|q4_0|q4_k_m when given (docs/gguf.md).
+    Quantize(QuantizeArgs),
+}
+
+#[derive(Args)]
+struct QuantizeArgs {
+    /// The model to write: a checkpoint directory (a Gemma 4 target or assistant) or a GGUF file.
+    #[arg(long)]
+    model: PathBuf,
+    /// The GGUF file to write (replaced if it exists).
+    #[arg(long, value_name = "FILE")]
+    out: PathBuf,
 }
 
 /// `--seed`: a number, or `None` for a random one (-1).
@@ -65,8 +78,8 @@ struct Seed(Option<u64>);
 /// Options shared by `generate` and `chat`.
 #[derive(Args)]
 struct RunArgs {
-    /// Model directory (config.json + safetensors; tokenizer.json for text). Default: the small model pair
-    /// that ships with tandem (models/default), with its assistant.
+    /// Model directory (config.json + safetensors; tokenizer.json for text) or GGUF file. Default: the small
+    /// model pair that ships with tandem (models/default), with its assistant.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Most tokens to generate (per reply in `chat`). Default: 128 for `generate`, 1024 for `chat`.
@@ -94,7 +107,7 @@ struct RunArgs {
     /// Total tokens (prompt + generated) allowed; default and maximum: the model's max_position_embeddings.
     #[arg(long, allow_hyphen_values = true)]
     context: Option<usize>,
-    /// Assistant (MTP drafter) directory: decode speculatively, with exactly the target's output.
+    /// Assistant (MTP drafter) directory or GGUF file: decode speculatively, with exactly the target's output.
     #[arg(long)]
     assistant: Option<PathBuf>,
     /// Draft tokens per round: a number, or `auto` (adapt to measured acceptance and costs). Default: the
@@ -290,7 +303,20 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chat(args) => run_chat(args, quant),
         Command::Bench(args) => run_bench(args, threads, quant),
         Command::Serve(args) => tandem::serve::run(args, quant),
+        Command::Quantize(args) => run_quantize(args, quant),
     }
+}
+
+fn run_quantize(args: QuantizeArgs, quant: LoadQuant) -> Result<()> {
+    if quant.assistant {
+        bail!("--quantize-assistant is for loading a pair; `quantize` writes one model: pass the assistant as --model");
+    }
+    let w = tandem::gguf::convert::convert(&args.model, &args.out, quant.recipe, |l| say!("{l}"))?;
+    for warning in &w.warnings {
+        say!("warning: {warning}");
+    }
+    say!("wrote {} ({} tensors, {:.1} MB) in {:.1} s", args.out.display(), w.tensors, w.bytes as f64 / 1e6, w.seconds);
+    Ok(())
 }
 
 /// A loaded model (and assistant) on the engine, with the run's generation settings.

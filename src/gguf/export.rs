@@ -5,13 +5,15 @@
 use anyhow::{anyhow, bail, Result};
 
 use super::file::{GgmlType, MetaValue};
-use super::gemma4::{assistant_gguf_name, target_gguf_name, COMPUTE_DTYPE_KEY};
+use super::gemma4::{
+    assistant_gguf_name, target_gguf_name, CENTROIDS_DTYPE_KEY, CENTROIDS_KEY, COMPUTE_DTYPE_KEY, ORDERING_KEY,
+};
 use super::write::OutTensor;
 use crate::config::{AssistantConfig, DraftHead, KvMode, LayerType, RopeKind, TextConfig};
 use crate::kernels::DType;
 use crate::weights::{StoredDtype, Tensor, WeightStore};
 
-/// Metadata and owned extra tensors (RoPE factors, the centroid ordering as I32) of an export.
+/// Metadata and owned extra tensors (the RoPE factors) of an export.
 pub struct Export {
     pub meta: Vec<(String, MetaValue)>,
     /// Tensors whose bytes the export made (name, ggml dims, type, bytes).
@@ -195,20 +197,23 @@ pub fn assistant(c: &AssistantConfig, store: &WeightStore, name: &str) -> Result
         .ok_or_else(|| anyhow!("missing tensor `model.embed_tokens.weight`"))?
         .compute_dtype()?;
     meta.push((COMPUTE_DTYPE_KEY.into(), MetaValue::Str(dtype_name(dtype).into())));
-    let mut extra: Vec<_> = rope_freqs(&c.text).into_iter().collect();
-    // The ordering is written as I32, the integer type llama.cpp's loaders handle.
+    let extra: Vec<_> = rope_freqs(&c.text).into_iter().collect();
+    // The centroid head travels in metadata (see `gemma4::CENTROIDS_KEY`).
+    let centroids = "masked_embedding.centroids.weight";
     let ordering = "masked_embedding.token_ordering";
-    if let Some(t) = store.get_full(ordering) {
-        let v = t.to_i64()?;
-        let bytes: Vec<u8> = v
-            .iter()
-            .map(|&x| i32::try_from(x).map_err(|_| anyhow!("tensor `{ordering}` holds {x}, beyond 32 bits")))
-            .collect::<Result<Vec<i32>>>()?
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
-        extra.push(("masked_embd_ordering".into(), vec![v.len() as u64], GgmlType::I32, bytes));
+    if let Some(t) = store.get_full(centroids) {
+        let dtype = t.float_dtype()?;
+        let values = (0..t.numel()).map(|i| MetaValue::F32(dtype.load(t.bytes(), i))).collect();
+        meta.push((CENTROIDS_KEY.into(), MetaValue::Array(values)));
+        meta.push((CENTROIDS_DTYPE_KEY.into(), MetaValue::Str(dtype_name(dtype).into())));
+        let order = store.get_full(ordering).ok_or_else(|| anyhow!("a centroid head without `{ordering}`"))?;
+        let order = order
+            .to_i64()?
+            .into_iter()
+            .map(|x| i32::try_from(x).map(MetaValue::I32).map_err(|_| anyhow!("`{ordering}` holds {x}")))
+            .collect::<Result<Vec<_>>>()?;
+        meta.push((ORDERING_KEY.into(), MetaValue::Array(order)));
     }
-    let tensors = tensors(store, assistant_gguf_name, false, &[ordering])?;
+    let tensors = tensors(store, assistant_gguf_name, false, &[centroids, ordering])?;
     Ok(Export { meta, extra, tensors })
 }

@@ -531,6 +531,11 @@ impl GgufModel {
         Ok(GgufModel { files, tensors })
     }
 
+    /// Open `path` to read its metadata only: the file is mapped but not read in up front.
+    pub fn open_metadata(path: &Path) -> Result<GgufModel> {
+        GgufModel::open(path, true)
+    }
+
     pub fn path(&self) -> &Path {
         &self.files[0].path
     }

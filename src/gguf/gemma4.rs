@@ -223,7 +223,12 @@ fn float_values(m: &GgufModel, t: &TensorInfo) -> Result<Vec<f32>> {
     Ok((0..b.len() / dtype.size()).map(|i| dtype.load(b, i)).collect())
 }
 
-/// Token ids from the tokenizer metadata that end generation: EOS, and end-of-turn when the file names one.
+/// Tokens that end generation in Gemma 4 files besides the named ids, found by their text as llama.cpp
+/// finds them (`generation_config.json`'s stop list does not travel in GGUF).
+const STOP_TEXTS: [&str; 3] = ["<eos>", "<turn|>", "<|tool_response>"];
+
+/// Token ids that end generation: the named EOS / end-of-turn / end-of-message ids, then the tokens of
+/// `STOP_TEXTS` the vocabulary has.
 fn stop_ids(m: &GgufModel) -> Result<Vec<u32>> {
     let mut ids = Vec::new();
     for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
@@ -233,6 +238,11 @@ fn stop_ids(m: &GgufModel) -> Result<Vec<u32>> {
             if !ids.contains(&id) {
                 ids.push(id);
             }
+        }
+    }
+    for (i, t) in m.array_opt("tokenizer.ggml.tokens")?.unwrap_or(&[]).iter().enumerate() {
+        if matches!(t, MetaValue::Str(s) if STOP_TEXTS.contains(&s.as_str())) && !ids.contains(&(i as u32)) {
+            ids.push(i as u32);
         }
     }
     Ok(ids)
@@ -307,12 +317,14 @@ pub fn assistant_config(m: &GgufModel) -> Result<AssistantConfig> {
     obj.insert("model_type".into(), json!("gemma4_assistant"));
     obj.insert("text_config".into(), Value::Object(text));
     obj.insert("backbone_hidden_size".into(), json!(m.usize_req(&format!("{arch}.embedding_length_out"))?));
-    let centroids = rows_of(m, "masked_embd_centroids.weight")?;
-    if centroids.is_some() != m.tensor("masked_embd_ordering").is_some() {
-        bail!(
-            "{}: a centroid head needs both `masked_embd_centroids.weight` and `masked_embd_ordering`",
-            m.path().display()
-        );
+    let hd = obj["text_config"]["hidden_size"].as_u64().unwrap_or(0) as usize;
+    let centroids = match rows_of(m, "masked_embd_centroids.weight")? {
+        Some(c) => Some(c),
+        None => meta_centroids(m, hd)?.map(|(c, _, _)| c),
+    };
+    let has_ordering = m.tensor("masked_embd_ordering").is_some() || m.meta().contains_key(ORDERING_KEY);
+    if centroids.is_some() != has_ordering {
+        bail!("{}: a centroid head needs both its centroids and its token ordering", m.path().display());
     }
     if let Some(c) = centroids {
         obj.insert("use_ordered_embeddings".into(), json!(true));
@@ -406,6 +418,59 @@ fn translate(name: &str, dir: Dir, top: &Table, layer: &[&Table], layers_prefix:
     let i: usize = i.parse().map_err(|_| ())?;
     let to = layer.iter().flat_map(|t| t.iter()).map(pick).find(|(from, _)| *from == rest).ok_or(())?.1;
     Ok(format!("{to_prefix}{i}.{to}"))
+}
+
+/// Where tandem's writer keeps the centroid head of a drafter (docs/gguf.md, "The centroid head"): in
+/// metadata, since llama.cpp refuses a file with tensors it does not load and fails on the tensor names it
+/// reserves for them. The centroids as f32 values (row after row), the dtype they had, and the ordering.
+pub const CENTROIDS_KEY: &str = "gemma4-assistant.masked_embd_centroids";
+pub const CENTROIDS_DTYPE_KEY: &str = "gemma4-assistant.masked_embd_centroids_dtype";
+pub const ORDERING_KEY: &str = "gemma4-assistant.masked_embd_ordering";
+
+/// The metadata centroids: (count, dtype, values), checked to be whole rows of `hd`.
+fn meta_centroids(m: &GgufModel, hd: usize) -> Result<Option<(usize, DType, Vec<f32>)>> {
+    let Some(a) = m.array_opt(CENTROIDS_KEY)? else { return Ok(None) };
+    let path = m.path().display();
+    let values = a
+        .iter()
+        .map(|v| match v {
+            MetaValue::F32(x) => Ok(*x),
+            other => bail!("{path}: metadata `{CENTROIDS_KEY}` must hold float32 values, got {other:?}"),
+        })
+        .collect::<Result<Vec<f32>>>()?;
+    if hd == 0 || values.is_empty() || values.len() % hd != 0 {
+        bail!("{path}: metadata `{CENTROIDS_KEY}` holds {} values, not whole rows of {hd}", values.len());
+    }
+    let dtype = match m.str_opt(CENTROIDS_DTYPE_KEY)?.unwrap_or("f32") {
+        "f32" => DType::F32,
+        "f16" => DType::F16,
+        "bf16" => DType::BF16,
+        other => bail!("{path}: metadata `{CENTROIDS_DTYPE_KEY}` is {other:?}; expected f32, f16 or bf16"),
+    };
+    Ok(Some((values.len() / hd, dtype, values)))
+}
+
+/// The drafter's centroid head from metadata, as the checkpoint's two tensors.
+fn centroid_tensors(m: &GgufModel, hd: usize) -> Result<Vec<Tensor>> {
+    let Some((n, dtype, values)) = meta_centroids(m, hd)? else { return Ok(Vec::new()) };
+    let mut bytes = Vec::with_capacity(values.len() * dtype.size());
+    for v in values {
+        match dtype {
+            DType::F32 => bytes.extend_from_slice(&v.to_le_bytes()),
+            DType::F16 => bytes.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+            DType::BF16 => bytes.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+        }
+    }
+    let order = m.array_opt(ORDERING_KEY)?.ok_or_else(|| m.missing(ORDERING_KEY))?;
+    let order = order
+        .iter()
+        .map(|v| v.as_i128().and_then(|x| i64::try_from(x).ok()))
+        .collect::<Option<Vec<i64>>>()
+        .ok_or_else(|| anyhow!("{}: metadata `{ORDERING_KEY}` must hold integers", m.path().display()))?;
+    Ok(vec![
+        Tensor::owned("masked_embedding.centroids.weight", dtype, vec![n, hd], bytes),
+        Tensor::owned_i64("masked_embedding.token_ordering", &order),
+    ])
 }
 
 /// The checkpoint name of a `gemma4` tensor; `None` for tensors read into the configuration or joined
@@ -512,9 +577,14 @@ pub fn target_store(m: &GgufModel) -> Result<WeightStore> {
     Ok(s)
 }
 
-/// The drafter's tensors, named as in a checkpoint.
+/// The drafter's tensors, named as in a checkpoint (with the centroid head from metadata, if it is there).
 pub fn assistant_store(m: &GgufModel) -> Result<WeightStore> {
-    store(m, assistant_name, "Gemma 4 assistant")
+    let mut s = store(m, assistant_name, "Gemma 4 assistant")?;
+    let hd = m.usize_req("gemma4-assistant.embedding_length")?;
+    for t in centroid_tensors(m, hd)? {
+        s.insert(t);
+    }
+    Ok(s)
 }
 
 /// Files that keep each layer's expert gate and up matrices apart (`ffn_gate_exps`, `ffn_up_exps`) get
@@ -573,4 +643,52 @@ pub fn refuse_requantize(m: &GgufModel, recipe: crate::quantize::Recipe) -> Resu
         ),
         None => Ok(()),
     }
+}
+
+/// The tokenizer metadata of a file (`tokenizer.ggml.*`, `tokenizer.chat_template`); `None` when it has no
+/// vocabulary.
+pub fn vocab(m: &GgufModel) -> Result<Option<crate::text::gguf_vocab::GgufVocab>> {
+    let Some(tokens) = m.array_opt("tokenizer.ggml.tokens")? else { return Ok(None) };
+    let path = m.path().display();
+    let strings = |key: &str, a: &[MetaValue]| -> Result<Vec<String>> {
+        a.iter()
+            .map(|v| match v {
+                MetaValue::Str(s) => Ok(s.clone()),
+                other => bail!("{path}: metadata `{key}` must hold strings, got {other:?}"),
+            })
+            .collect()
+    };
+    let numbers = |key: &str| -> Result<Option<Vec<f64>>> {
+        m.array_opt(key)?
+            .map(|a| {
+                a.iter()
+                    .map(|v| v.as_f64().ok_or_else(|| anyhow!("{path}: metadata `{key}` must hold numbers")))
+                    .collect()
+            })
+            .transpose()
+    };
+    let id = |key: &str| -> Result<Option<u32>> {
+        m.usize_opt(key)?
+            .map(|v| u32::try_from(v).map_err(|_| anyhow!("{path}: metadata `{key}` is out of range")))
+            .transpose()
+    };
+    let merges = m.array_opt("tokenizer.ggml.merges")?.map(|a| strings("tokenizer.ggml.merges", a)).transpose()?;
+    Ok(Some(crate::text::gguf_vocab::GgufVocab {
+        model: m.str_opt("tokenizer.ggml.model")?.ok_or_else(|| m.missing("tokenizer.ggml.model"))?.to_string(),
+        pre: m.str_opt("tokenizer.ggml.pre")?.map(str::to_string),
+        tokens: strings("tokenizer.ggml.tokens", tokens)?,
+        scores: numbers("tokenizer.ggml.scores")?.map(|v| v.into_iter().map(|x| x as f32).collect()),
+        token_types: numbers("tokenizer.ggml.token_type")?.map(|v| v.into_iter().map(|x| x as i32).collect()),
+        merges,
+        bos: id("tokenizer.ggml.bos_token_id")?,
+        eos: id("tokenizer.ggml.eos_token_id")?,
+        unk: id("tokenizer.ggml.unknown_token_id")?,
+        pad: id("tokenizer.ggml.padding_token_id")?,
+        mask: id("tokenizer.ggml.mask_token_id")?,
+        eot: id("tokenizer.ggml.eot_token_id")?,
+        add_bos: m.bool_opt("tokenizer.ggml.add_bos_token")?,
+        add_eos: m.bool_opt("tokenizer.ggml.add_eos_token")?,
+        add_space_prefix: m.bool_opt("tokenizer.ggml.add_space_prefix")?,
+        chat_template: m.str_opt("tokenizer.chat_template")?.map(str::to_string),
+    }))
 }

@@ -37,10 +37,10 @@ use crate::text::{has_tokenizer, ChatTemplate, TextTokenizer};
 /// `tandem serve` options.
 #[derive(Args, Clone, Debug)]
 pub struct ServeArgs {
-    /// Model directory. Default: the small pair that ships in models/default, with its assistant.
+    /// Model directory or GGUF file. Default: the small pair that ships in models/default, with its assistant.
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Assistant (MTP drafter) directory.
+    /// Assistant (MTP drafter) directory or GGUF file.
     #[arg(long)]
     pub assistant: Option<PathBuf>,
     /// Address to bind (loopback unless told otherwise).
@@ -181,8 +181,8 @@ impl ServeArgs {
     pub fn config(&self) -> Result<ServerConfig> {
         let shipped = crate::bench::default_model_dir();
         let model = self.model.clone().unwrap_or_else(|| shipped.join("target"));
-        if !model.join("config.json").is_file() {
-            bail!("{} is not a model directory (no config.json)", model.display());
+        if !model.join("config.json").is_file() && !crate::gguf::is_gguf(&model) {
+            bail!("{} is neither a model directory (no config.json) nor a GGUF file", model.display());
         }
         let assistant = match (&self.assistant, &self.model) {
             (Some(a), _) => Some(a.clone()),

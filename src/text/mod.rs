@@ -1,5 +1,6 @@
 //! Text in, text out: the checkpoint's tokenizer, its chat template, and streaming detokenization.
 
+pub mod gguf_vocab;
 pub mod stream;
 pub mod template;
 pub mod tokenizer;

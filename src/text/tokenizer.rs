@@ -1,4 +1,5 @@
-//! The checkpoint's tokenizer (`tokenizer.json`), loaded the way transformers 5.23.0 loads it.
+//! The checkpoint's tokenizer (`tokenizer.json`), loaded the way transformers 5.23.0 loads it, or the
+//! vocabulary in a GGUF file's metadata (see [`super::gguf_vocab`], which tokenizes as llama.cpp does).
 //!
 //! What transformers does on top of `tokenizer.json`, and so what this does too:
 //! - `add_bos_token` / `add_eos_token` in `tokenizer_config.json` are ignored once a `tokenizer.json`
@@ -14,10 +15,13 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use anyhow::{anyhow, bail, Result};
 use serde_json::{json, Map, Value};
 use tokenizers::{AddedToken, Tokenizer};
+
+use super::gguf_vocab::{GgufTokenizer, GgufVocab};
 
 /// The file that makes a model directory speak text.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -35,20 +39,35 @@ const GEMMA_DEFAULTS: [(&str, &str); 5] = [
     ("mask_token", "<mask>"),
 ];
 
+/// What turns text into ids and back.
+enum Backend {
+    /// `tokenizer.json` through the `tokenizers` library; `plain` is a copy that leaves special tokens' text
+    /// unmatched, made when first needed.
+    Json { tok: Box<Tokenizer>, plain: OnceLock<Box<Tokenizer>> },
+    /// A GGUF file's vocabulary.
+    Gguf(Box<GgufTokenizer>),
+}
+
 pub struct TextTokenizer {
-    inner: Tokenizer,
+    inner: Backend,
     /// Named special tokens (`bos_token` → `<bos>`, …, model-specific `*_token` keys): what a chat
     /// template sees as variables.
     named: Vec<(String, String)>,
     chat_template: Option<String>,
     class: Option<String>,
+    /// The model directory, or the GGUF file the vocabulary came from.
     dir: PathBuf,
     /// Indexed by id: byte-fallback tokens (empty when the decoder has no ByteFallback step).
     byte_tokens: Vec<bool>,
 }
 
 /// Whether `dir` has a tokenizer.
+/// A GGUF file has one when its metadata holds a vocabulary.
 pub fn has_tokenizer(dir: &Path) -> bool {
+    if crate::gguf::is_gguf(dir) {
+        return crate::gguf::GgufModel::open_metadata(dir)
+            .is_ok_and(|m| m.meta().contains_key("tokenizer.ggml.tokens"));
+    }
     crate::files::exists(&dir.join(TOKENIZER_FILE))
 }
 
@@ -94,6 +113,13 @@ impl TextTokenizer {
     /// Load `dir/tokenizer.json` with `tokenizer_config.json`, `special_tokens_map.json` and the chat
     /// template (`chat_template.jinja`, else `chat_template` in `tokenizer_config.json`).
     pub fn load(dir: &Path) -> Result<TextTokenizer> {
+        if crate::gguf::is_gguf(dir) {
+            // A GGUF file carries its tokenizer in its metadata (docs/gguf.md).
+            let m = crate::gguf::GgufModel::open_metadata(dir)?;
+            let v = crate::gguf::gemma4::vocab(&m)?
+                .ok_or_else(|| anyhow!("{} has no tokenizer (no `tokenizer.ggml.tokens` metadata)", dir.display()))?;
+            return TextTokenizer::from_gguf(&v, dir);
+        }
         let path = dir.join(TOKENIZER_FILE);
         if !crate::files::exists(&path) {
             bail!("{} has no {TOKENIZER_FILE}", dir.display());
@@ -257,38 +283,117 @@ impl TextTokenizer {
         };
 
         let byte_tokens = byte_token_table(&inner, &decoder_json);
-        Ok(TextTokenizer { inner, named, chat_template, class, dir: dir.to_path_buf(), byte_tokens })
+        Ok(TextTokenizer {
+            inner: Backend::Json { tok: Box::new(inner), plain: OnceLock::new() },
+            named,
+            chat_template,
+            class,
+            dir: dir.to_path_buf(),
+            byte_tokens,
+        })
+    }
+
+    /// The tokenizer of a GGUF file's metadata (`source` is the file, for messages and [`Self::dir`]). It
+    /// tokenizes as llama.cpp does for the file; the named special tokens are those the file gives ids for
+    /// (`bos_token`, `eos_token`, `unk_token`, `pad_token`, `mask_token`, `eot_token`), and the chat template
+    /// is `tokenizer.chat_template`.
+    pub fn from_gguf(v: &GgufVocab, source: &Path) -> Result<TextTokenizer> {
+        let tok = GgufTokenizer::new(v).map_err(|e| anyhow!("{}: {e}", source.display()))?;
+        let mut named: Vec<(String, String)> = Vec::new();
+        for (key, id) in [
+            ("bos_token", v.bos),
+            ("eos_token", v.eos),
+            ("unk_token", v.unk),
+            ("pad_token", v.pad),
+            ("mask_token", v.mask),
+            ("eot_token", v.eot),
+        ] {
+            if let Some(text) = id.and_then(|id| tok.id_to_token(id)) {
+                named.push((key.to_string(), text.to_string()));
+            }
+        }
+        let byte_tokens = (0..tok.len() as u32).map(|id| tok.is_byte_token(id)).collect();
+        Ok(TextTokenizer {
+            inner: Backend::Gguf(Box::new(tok)),
+            named,
+            chat_template: v.chat_template.clone(),
+            class: None,
+            dir: source.to_path_buf(),
+            byte_tokens,
+        })
     }
 
     /// Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. BOS), as
     /// `tokenizer(text)` does in transformers.
+    /// For a GGUF vocabulary, special-token text in `text` is matched (llama.cpp's default); see
+    /// [`Self::encode_with`].
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| anyhow!("cannot tokenize: {e}"))?;
-        Ok(enc.get_ids().to_vec())
+        self.encode_with(text, add_special_tokens, true)
+    }
+
+    /// Token ids of `text`, choosing whether special-token text in it becomes special tokens. With
+    /// `parse_special` false, a GGUF vocabulary tokenizes control and unknown tokens' text as ordinary text
+    /// (user-defined tokens still match), as llama.cpp does; `tokenizer.json` treats special tokens' text the
+    /// same way (added tokens that are not special still match).
+    pub fn encode_with(&self, text: &str, add_special_tokens: bool, parse_special: bool) -> Result<Vec<u32>> {
+        match &self.inner {
+            Backend::Json { tok, plain } => {
+                let t = if parse_special {
+                    tok
+                } else {
+                    plain.get_or_init(|| {
+                        let mut t = tok.clone();
+                        t.set_encode_special_tokens(true);
+                        t
+                    })
+                };
+                let enc = t.encode(text, add_special_tokens).map_err(|e| anyhow!("cannot tokenize: {e}"))?;
+                Ok(enc.get_ids().to_vec())
+            }
+            Backend::Gguf(t) => t.encode(text, add_special_tokens, parse_special),
+        }
     }
 
     /// Text of `ids`; with `skip_special_tokens`, special tokens are left out.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| anyhow!("cannot decode: {e}"))
+        match &self.inner {
+            Backend::Json { tok: t, .. } => {
+                t.decode(ids, skip_special_tokens).map_err(|e| anyhow!("cannot decode: {e}"))
+            }
+            Backend::Gguf(t) => t.decode(ids, skip_special_tokens),
+        }
     }
 
     /// The token strings of `ids` (`None` for an unknown id).
     pub fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
+        match &self.inner {
+            Backend::Json { tok: t, .. } => t.id_to_token(id),
+            Backend::Gguf(t) => t.id_to_token(id).map(str::to_string),
+        }
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.inner {
+            Backend::Json { tok: t, .. } => t.token_to_id(token),
+            Backend::Gguf(t) => t.token_to_id(token),
+        }
+    }
+
+    /// Tokens of the model vocabulary itself, without the added (special) ones; a GGUF vocabulary has all
+    /// its tokens in one list.
+    pub fn base_len(&self) -> usize {
+        match &self.inner {
+            Backend::Json { tok: t, .. } => t.get_vocab_size(false),
+            Backend::Gguf(t) => t.len(),
+        }
     }
 
     /// Vocabulary size including added tokens.
-    /// Tokens of the model vocabulary itself, without the added (special) ones.
-    pub fn base_len(&self) -> usize {
-        self.inner.get_vocab_size(false)
-    }
-
     pub fn len(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.inner {
+            Backend::Json { tok: t, .. } => t.get_vocab_size(true),
+            Backend::Gguf(t) => t.len(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -309,11 +414,12 @@ impl TextTokenizer {
         self.chat_template.as_deref()
     }
 
-    /// `tokenizer_class` from `tokenizer_config.json`.
+    /// `tokenizer_class` from `tokenizer_config.json` (`None` for a GGUF vocabulary).
     pub fn class(&self) -> Option<&str> {
         self.class.as_deref()
     }
 
+    /// The model directory, or for a GGUF vocabulary the GGUF file.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
