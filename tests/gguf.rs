@@ -213,3 +213,74 @@ fn split_files_are_read_together() {
     let e = format!("{:#}", TargetModel::load(&scratch("t5-00002-of-00002.gguf")).err().unwrap());
     assert!(e.contains("part 2 of a model split into 2 files; pass the first part"), "{e}");
 }
+
+fn tandem_cli(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem")).args(args).output().expect("run tandem");
+    let s = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code().unwrap_or(-1), s(&out.stdout), s(&out.stderr))
+}
+
+#[test]
+fn quantize_command_writes_a_gguf_that_runs_like_quantizing_on_load() {
+    let dir = fixture_dir("text-tiny").display().to_string();
+    let out = scratch("cli-text-tiny-q8_0.gguf");
+    let (code, _, err) =
+        tandem_cli(&["quantize", "--model", &dir, "--out", out.to_str().unwrap(), "--quantize", "q8_0"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("quantized the model to q8_0") && err.contains("wrote"), "{err}");
+    assert!(!err.contains("warning"), "{err}");
+    // Text, the tokenizer and the chat template come from the file alone.
+    let run = |model: &str, extra: &[&str]| {
+        let mut a = vec!["generate", "--model", model, "--chat", "Hello there", "--max-new-tokens", "12", "--json"];
+        a.extend_from_slice(extra);
+        let (code, stdout, err) = tandem_cli(&a);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        (v["prompt_ids"].clone(), v["tokens"].clone(), v["text"].clone())
+    };
+    assert_eq!(run(out.to_str().unwrap(), &[]), run(&dir, &["--quantize", "q8_0"]));
+
+    // A layout llama.cpp misreads is written, with a warning.
+    let out = scratch("cli-t5.gguf");
+    let (code, _, err) =
+        tandem_cli(&["quantize", "--model", fixture_dir("t5-e2b").to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("warning: llama.cpp will compute this model wrongly"), "{err}");
+
+    // Quantized files are not quantized again; the output is not the input; --quantize-assistant is refused.
+    let q = gguf_fixture("t1-f32-q8_0.gguf");
+    let other = scratch("cli-again.gguf");
+    let (code, _, err) =
+        tandem_cli(&["quantize", "--model", &q, "--out", other.to_str().unwrap(), "--quantize", "q4_0"]);
+    assert!(code == 1 && err.contains("already quantized (Q8_0)"), "{err}");
+    let (code, _, err) = tandem_cli(&["quantize", "--model", &q, "--out", &q]);
+    assert!(code == 1 && err.contains("is the model itself"), "{err}");
+    let (code, _, err) = tandem_cli(&[
+        "quantize",
+        "--model",
+        &dir,
+        "--out",
+        other.to_str().unwrap(),
+        "--quantize",
+        "q8_0",
+        "--quantize-assistant",
+    ]);
+    assert!(code == 1 && err.contains("pass the assistant as --model"), "{err}");
+    // A float GGUF can be quantized into another.
+    let (code, _, err) = tandem_cli(&[
+        "quantize",
+        "--model",
+        &gguf_fixture("t6-long-f32.gguf"),
+        "--out",
+        other.to_str().unwrap(),
+        "--quantize",
+        "q4_k_m",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let m = GgufModel::open(&other, false).unwrap();
+    assert_eq!(m.tensor("blk.0.attn_output.weight").unwrap().ty.to_string(), "Q4_K");
+}
+
+fn gguf_fixture(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name).display().to_string()
+}
