@@ -2,7 +2,7 @@
 E2B-dims model (../shared/bench: 10 layers, random weights) quantized by each engine from the same bf16
 source (llama.cpp: `llama-quantize` files written by the kit's convert.sh; tandem: `--quantize` at load).
 
-usage: python3 scripts/side_by_side_quant.py TANDEM_BIN [--reps 3] [--formats q8_0,q4_k_m] [--no-drafting] [--out FILE.json]
+usage: python3 scripts/side_by_side_quant.py TANDEM_BIN [--reps 3] [--formats q8_0,q4_k_m] [--no-drafting] [--gguf] [--out FILE.json]
 env:   A (the kit's directory, default ~/anchors) holding e2b10/, e2b10-assistant/, gguf/e2b10-{bf16,q8_0,q4_k_m}.gguf,
        build/bin/ and prompt128.txt
 
@@ -11,6 +11,9 @@ Per repetition and format, in this order (so drift of the shared machine hits bo
   tandem bench --model e2b10 --rows 5, llama-speculative-simple with the bf16 drafter (draft-mtp, k=4),
   tandem --draft-tokens 4 and auto (random weights: drafts are almost never accepted, so these measure
   what drafting costs when it does not pay; `--no-drafting` leaves these three out). Summarise with scripts/side_by_side_summary.py --quant.
+`--gguf`: tandem runs llama.cpp's own GGUF files too (target e2b10-FORMAT.gguf, drafter e2b10-assistant-bf16.gguf,
+as llama.cpp's converter wrote it: tied head, no centroids) instead of quantizing the safetensors at load; formats
+may then include bf16.
 Run it on an otherwise idle machine, or under `chrt -f 10`: llama.cpp's spinning threads collapse when
 anything else wants a core.
 """
@@ -24,6 +27,7 @@ reps = int(arg("--reps", "3"))
 formats = arg("--formats", "q8_0,q4_k_m").split(",")
 out = arg("--out", None)
 drafting = "--no-drafting" not in sys.argv
+gguf = "--gguf" in sys.argv
 prompt = open(f"{A}/prompt128.txt").read()
 R = {}
 
@@ -59,12 +63,20 @@ def llama_mtp(fmt):
 
 
 def quant_args(fmt):
-    return [] if fmt == "bf16" else ["--quantize", fmt]
+    return [] if fmt == "bf16" or gguf else ["--quantize", fmt]
+
+
+def model(fmt):
+    return f"{G}/e2b10-{fmt}.gguf" if gguf else f"{A}/e2b10"
+
+
+def assistant():
+    return f"{G}/e2b10-assistant-bf16.gguf" if gguf else f"{A}/e2b10-assistant"
 
 
 def tandem_gen(fmt, extra):
-    p = run([tandem, "--threads", "2"] + quant_args(fmt) + ["generate", "--model", f"{A}/e2b10", "--assistant",
-            f"{A}/e2b10-assistant", "--prompt", prompt, "--max-new-tokens", "64", "--ignore-eos", "--json"] + extra)
+    p = run([tandem, "--threads", "2"] + quant_args(fmt) + ["generate", "--model", model(fmt), "--assistant",
+            assistant(), "--prompt", prompt, "--max-new-tokens", "64", "--ignore-eos", "--json"] + extra)
     if p.returncode != 0:
         return dict(decode=None, prefill=None)
     s = json.loads(p.stdout)["stats"]
@@ -83,7 +95,7 @@ def llama_rows(fmt):
 
 
 def tandem_rows(fmt):
-    p = run([tandem, "--threads", "2"] + quant_args(fmt) + ["bench", "--model", f"{A}/e2b10", "--rows", "5",
+    p = run([tandem, "--threads", "2"] + quant_args(fmt) + ["bench", "--model", model(fmt), "--rows", "5",
             "--decode", "16", "--prefill", "128", "--json"])
     if p.returncode != 0:
         return dict(ratio=None)
