@@ -2,33 +2,40 @@
 //! (64 `u8 × s8` products summed four by four into 16 i32 lanes per instruction), then one scaled
 //! float step per 4 blocks of 32 (per super-block for the k-quants).
 //!
-//! `vpdpbusd` wants one unsigned operand. The k-quants Q4_K / Q5_K have unsigned levels and multiply
-//! them directly with the signed activations. The others (Q8_0, Q4_0, Q5_0, Q5_1, Q6_K) multiply their
-//! signed levels (offset removed) with the activations moved to `x + 128` (`u8`), and start each lane
-//! from `-128 · Σ w` over its weights, computed once per decoded weight vector and shared by every
-//! activation row: the lane then holds exactly `Σ x · w`.
+//! `vpdpbusd` wants one unsigned operand. The k-quants multiply their unsigned levels directly with
+//! the signed activations (Q6_K's offset of 32 comes back as `-32 · Σ x`, from the activations'
+//! 16-element sums). The others (Q8_0, Q4_0, Q5_0, Q5_1) multiply their signed levels (offset
+//! removed) with the activations moved to `x + 128` (`u8`), and start each lane from `-128 · Σ w` over
+//! its weights, computed once per decoded weight vector and shared by every activation row: the lane
+//! then holds exactly `Σ x · w`.
 //!
-//! Layouts. 32-element formats: a step is 4 blocks, two vectors per operand; vector 0 holds elements
-//! 0..16 of the 4 blocks, vector 1 elements 16..32 (a 128-bit lane per block), so that both
-//! `vpdpbusd` of a step add into the same lanes and lane `4b..4b+4` sums 8 products of block `b`.
-//! One conversion, one scale product and one FMA then serve 4 blocks. The activations are laid out
-//! so once per call (`Format::prep`: `x + 128` in that order, with each block's scale spread over its
-//! 4 lanes). k-quants: a step is one super-block, four vectors of 64 elements in natural order;
-//! each i32 lane's sum (4 products, below 2^15) is multiplied by its sub-block scale with
-//! `vpdpwssd` (the scale vector's high i16 halves are zero), so the whole super-block stays in i32
-//! lanes and is converted once.
+//! Layouts. The activations are laid out once per product (`with_prepared`, `Format::prep`) in the
+//! order the weights decode to, and shared by every thread chunk. 32-element formats: a step is 4
+//! blocks, two vectors per operand; vector 0 holds elements 0..16 of the 4 blocks, vector 1 elements
+//! 16..32 (a 128-bit lane per block), so that both `vpdpbusd` of a step add into the same lanes and
+//! lane `4b..4b+4` sums 8 products of block `b`. One conversion, one scale product and one FMA then
+//! serve 4 blocks (the activations: `x + 128` in that order, then each block's scale over its 4
+//! lanes). k-quants: a step is one super-block, four vectors per operand, transposed so that lane `l`
+//! of all four belongs to one sub-block (`prep_k`): Q4_K / Q5_K a sub-block of 32 per qword (lanes
+//! `2j, 2j + 1`), Q6_K a group of 16 per i32 lane. The four `vpdpbusd` then chain into the same i32
+//! lanes (16 products each), converted once and multiplied by per-lane float scales (`d · sc`, exact)
+//! times `d_x`: 4 `vpdpbusd`, one conversion and 2 (Q6_K) or 3 (Q4_K / Q5_K, with the minimums
+//! against `d_x · bsums`) float operations per super-block and activation row. The weights get
+//! there with one two-source permute per vector (plus nibble and high-bit work).
 //!
-//! Tiles: `R` weight rows × `C` activation rows. Each step's weights are decoded once per tile and
-//! used for every activation row of the group; the next tile's bytes are prefetched along the way.
+//! Tiles: `R` weight rows × `C` activation rows. Each step's weights are decoded once per tile, a row
+//! at a time, and used for every activation row of the group; the next tile's bytes are prefetched
+//! along the way.
 //!
 //! Batch invariance: an output element is one 16-lane f32 accumulator updated once per step with the
 //! same operations whatever the tile, the group, or the thread chunk, then reduced by a fixed tree:
 //! row `i` of an `m`-row product equals that row alone. The lane sums are exact integers (below 2^24
-//! in magnitude), so only the order of the float additions differs from the reference
+//! in magnitude), so only the order and grouping of the float operations differ from the reference
 //! `quant::dot_row`.
 
 use super::quant::{QActs, QMatRef, QType};
 use std::arch::x86_64::*;
+use std::cell::Cell;
 use std::sync::OnceLock;
 
 /// Whether the CPU runs these kernels: AVX-512 F/BW/VL with VNNI (and the AVX2/FMA/F16C they lean
@@ -39,33 +46,93 @@ pub fn supported() -> bool {
 }
 
 /// `out[i][j] = Σ_k acts[i, k] · w[j, k]`; `out[i]` has `w.rows` elements.
+#[cfg_attr(not(test), allow(dead_code))]
 pub fn matmul(acts: &QActs, w: QMatRef, out: &mut [&mut [f32]]) {
+    with_prepared(acts, w.qtype, |p| matmul_prepared(p, w, out))
+}
+
+/// Activation rows laid out for one weight format's kernels (`Format::prep`): made once per product
+/// and read by every thread chunk.
+pub struct Prepared<'a> {
+    acts: &'a QActs,
+    qtype: QType,
+    x: &'a [__m512i],
+    per_row: usize,
+}
+
+thread_local! {
+    /// The prepared vectors' buffer, kept between products. Taken while in use: a nested product on
+    /// the same thread (rayon runs other work while a caller waits) finds it empty and allocates.
+    static PREP_BUF: Cell<Vec<__m512i>> = const { Cell::new(Vec::new()) };
+}
+
+/// `f` with `acts` prepared for weights of format `qtype`.
+pub fn with_prepared<T>(acts: &QActs, qtype: QType, f: impl FnOnce(&Prepared) -> T) -> T {
     assert!(supported(), "AVX-512 VNNI quantized kernels on a CPU without them");
-    assert!(acts.kind == w.qtype.act() && acts.cols == w.cols, "activations quantized for another format or width");
-    assert_eq!(out.len(), acts.rows, "one output row per activation row");
+    assert!(acts.kind == qtype.act(), "activations quantized for another format");
+    let mut buf = PREP_BUF.with(Cell::take);
+    // SAFETY: the CPU has the features (asserted); `prep_rows` sizes the buffer itself.
+    let per_row = unsafe {
+        match qtype {
+            QType::Q8_0 => prep_rows::<Q8_0>(acts, &mut buf),
+            QType::Q4_0 => prep_rows::<Q4_0>(acts, &mut buf),
+            QType::Q5_0 => prep_rows::<Q5_0>(acts, &mut buf),
+            QType::Q5_1 => prep_rows::<Q5_1>(acts, &mut buf),
+            QType::Q4_K => prep_rows::<Q4K>(acts, &mut buf),
+            QType::Q5_K => prep_rows::<Q5K>(acts, &mut buf),
+            QType::Q6_K => prep_rows::<Q6K>(acts, &mut buf),
+        }
+    };
+    let res = f(&Prepared { acts, qtype, x: &buf, per_row });
+    PREP_BUF.with(|b| b.set(buf));
+    res
+}
+
+/// Every row of `acts` prepared into `buf` (replacing its contents); returns the vectors per row.
+///
+/// # Safety
+/// AVX-512 VNNI CPU.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn prep_rows<F: Format>(acts: &QActs, buf: &mut Vec<__m512i>) -> usize {
+    let nb = acts.cols / acts.block();
+    let steps = nb.div_ceil(F::SB);
+    let per_row = steps * F::LINES;
+    buf.clear();
+    buf.reserve(acts.rows * per_row);
+    for i in 0..acts.rows {
+        F::prep(acts, i, steps, buf.as_mut_ptr().add(i * per_row));
+    }
+    // SAFETY: reserved above, and every `prep` wrote all its `steps · LINES` vectors.
+    buf.set_len(acts.rows * per_row);
+    per_row
+}
+
+/// `out[i][j] = Σ_k acts[i, k] · w[j, k]` from prepared activations; `out[i]` has `w.rows` elements.
+pub fn matmul_prepared(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]]) {
+    assert!(p.qtype == w.qtype && p.acts.cols == w.cols, "activations prepared for another format or width");
+    assert_eq!(out.len(), p.acts.rows, "one output row per activation row");
     assert!(out.iter().all(|o| o.len() == w.rows), "output rows of the chunk's width");
-    // SAFETY: the CPU has the features (asserted); shapes checked above, so every block and activation
-    // read stays inside `w.data` and `acts`.
+    // SAFETY: `with_prepared` checked the CPU; shapes checked above, so every block and activation
+    // read stays inside `w.data` and the prepared rows.
     unsafe {
         match w.qtype {
-            QType::Q8_0 => run::<Q8_0>(acts, w, out),
-            QType::Q4_0 => run::<Q4_0>(acts, w, out),
-            QType::Q5_0 => run::<Q5_0>(acts, w, out),
-            QType::Q5_1 => run::<Q5_1>(acts, w, out),
-            QType::Q4_K => run::<Q4K>(acts, w, out),
-            QType::Q5_K => run::<Q5K>(acts, w, out),
-            QType::Q6_K => run::<Q6K>(acts, w, out),
+            QType::Q8_0 => run::<Q8_0>(p, w, out),
+            QType::Q4_0 => run::<Q4_0>(p, w, out),
+            QType::Q5_0 => run::<Q5_0>(p, w, out),
+            QType::Q5_1 => run::<Q5_1>(p, w, out),
+            QType::Q4_K => run::<Q4K>(p, w, out),
+            QType::Q5_K => run::<Q5K>(p, w, out),
+            QType::Q6_K => run::<Q6K>(p, w, out),
         }
     }
 }
 
-/// One activation row as the kernels read it: its prepared vectors (`Format::prep`, `LINES` per step),
-/// and (k-quants) its super-block scales and 16-element sums.
+/// One activation row as the kernels read it: its prepared vectors (`Format::prep`, `LINES` per step)
+/// and its block scales.
 #[derive(Clone, Copy)]
 struct Act {
     x: *const __m512i,
     d: *const f32,
-    bs: *const i16,
 }
 
 /// A weight format: how to lay out the activations, decode one step of a weight row, and add one
@@ -77,6 +144,10 @@ trait Format {
     const LINES: usize;
     /// A decoded step (plain vectors; all-zero bits is a valid value).
     type W: Copy;
+    /// Whether a tile decodes and uses its weight rows one at a time (the k-quants: fewer live
+    /// registers) rather than all rows' steps first, then activation row by activation row (the
+    /// 32-element formats, measured a little faster so).
+    const ROW_AT_A_TIME: bool;
 
     /// Fill `out` (`LINES` vectors per step, `steps` steps) from activation row `r`.
     ///
@@ -100,21 +171,16 @@ trait Format {
 /// The largest activation group: 8 rows take 16 accumulators at 2 weight rows per tile.
 const GROUP_MAX: usize = 8;
 
-/// The m activation rows in groups of at most `GROUP_MAX` (sizes as equal as they come).
-fn groups(m: usize) -> Vec<(usize, usize)> {
+/// Group `g` of the m activation rows, cut into `m.div_ceil(GROUP_MAX)` groups of at most
+/// `GROUP_MAX` (sizes as equal as they come): its first row and its size.
+fn group(m: usize, g: usize) -> (usize, usize) {
     let n = m.div_ceil(GROUP_MAX);
     let (base, extra) = (m / n, m % n);
-    let mut out = Vec::with_capacity(n);
-    let mut at = 0;
-    for g in 0..n {
-        let c = base + usize::from(g < extra);
-        out.push((at, c));
-        at += c;
-    }
-    out
+    (g * base + g.min(extra), base + usize::from(g < extra))
 }
 
-/// Weight rows per tile for groups of up to `c` activation rows (accumulators: at most 16).
+/// Weight rows per tile for groups of up to `c` activation rows (accumulators: at most 24; at 4 × 5
+/// and 4 × 6 the k-quants keep a few on the stack, and still beat 2-row tiles).
 fn tile_rows(c: usize) -> usize {
     if c <= 6 {
         4
@@ -129,38 +195,27 @@ fn tile_rows(c: usize) -> usize {
 /// # Safety
 /// AVX-512 VNNI CPU; shapes as checked by `matmul`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn run<F: Format>(acts: &QActs, w: QMatRef, out: &mut [&mut [f32]]) {
-    let (m, n) = (acts.rows, w.rows);
-    let be = w.qtype.block_elems();
-    let nb = w.cols / be;
+unsafe fn run<F: Format>(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]]) {
+    let (m, n) = (p.acts.rows, w.rows);
+    let nb = w.cols / w.qtype.block_elems();
     let (full, tail) = (nb / F::SB, nb % F::SB);
-    let steps = nb.div_ceil(F::SB);
     let rb = w.row_bytes();
-    let per_row = steps * F::LINES;
-    let mut buf: Vec<__m512i> = vec![_mm512_setzero_si512(); m * per_row];
-    for i in 0..m {
-        F::prep(acts, i, steps, buf.as_mut_ptr().add(i * per_row));
-    }
-    let act = |i: usize| Act {
-        x: buf.as_ptr().add(i * per_row),
-        d: acts.d.as_ptr().add(i * nb),
-        bs: if acts.bsums.is_empty() { std::ptr::null() } else { acts.bsums.as_ptr().add(i * nb * 16) },
-    };
-    let acts_v: Vec<Act> = (0..m).map(act).collect();
-    let groups = groups(m);
-    let rmax = tile_rows(groups[0].1);
+    let act = |i: usize| Act { x: p.x.as_ptr().add(i * p.per_row), d: p.acts.d.as_ptr().add(i * nb) };
+    let ngroups = m.div_ceil(GROUP_MAX);
+    let rmax = tile_rows(group(m, 0).1);
     let shape = Shape { rb, full, tail };
     let mut j = 0;
     while j < n {
         let r = if n - j >= rmax { rmax } else { 1 };
         let wp = w.data.as_ptr().add(j * rb);
-        for (gi, &(g0, c)) in groups.iter().enumerate() {
+        for gi in 0..ngroups {
+            let (g0, c) = group(m, gi);
             // The first group's pass prefetches the next tile (the same number of rows, or what is left).
             let pf = if gi == 0 { r.min(n - j - r) * rb } else { 0 };
-            let x = &acts_v[g0..g0 + c];
             macro_rules! shape {
                 ($r:literal, $c:literal) => {{
-                    let res = tile::<F, $r, $c>(wp, &shape, pf, x.try_into().expect("group size"));
+                    let x: [Act; $c] = std::array::from_fn(|i| act(g0 + i));
+                    let res = tile::<F, $r, $c>(wp, &shape, pf, &x);
                     for (rr, row) in res.iter().enumerate() {
                         for (cc, &v) in row.iter().enumerate() {
                             out[g0 + cc][j + rr] = v;
@@ -230,13 +285,24 @@ unsafe fn tile<F: Format, const R: usize, const C: usize>(
             _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(pf_at) as *const i8);
             pf_at += 64;
         }
-        let mut wd: [F::W; R] = std::mem::zeroed();
-        for (r, d) in wd.iter_mut().enumerate() {
-            *d = F::decode(w.add(r * s.rb + st * step_bytes));
-        }
-        for c in 0..C {
-            for r in 0..R {
-                acc[r][c] = F::dot(&wd[r], &x[c], st, acc[r][c]);
+        if F::ROW_AT_A_TIME {
+            // One weight row at a time against every activation row: its decoded step is all the
+            // registers a row needs beside the accumulators.
+            unroll::<R>(|r| {
+                let wd = F::decode(w.add(r * s.rb + st * step_bytes));
+                for (a, xc) in acc[r].iter_mut().zip(x) {
+                    *a = F::dot(&wd, xc, st, *a);
+                }
+            });
+        } else {
+            let mut wd: [F::W; R] = std::mem::zeroed();
+            for (r, d) in wd.iter_mut().enumerate() {
+                *d = F::decode(w.add(r * s.rb + st * step_bytes));
+            }
+            for (c, xc) in x.iter().enumerate() {
+                for (r, wr) in wd.iter().enumerate() {
+                    acc[r][c] = F::dot(wr, xc, st, acc[r][c]);
+                }
             }
         }
     }
@@ -244,15 +310,12 @@ unsafe fn tile<F: Format, const R: usize, const C: usize>(
         // The last blocks, copied into a zeroed step: zero scales, so the missing blocks add zeros
         // (their prepared activations are zero too).
         let st = s.full;
-        let mut wd: [F::W; R] = std::mem::zeroed();
-        for (r, d) in wd.iter_mut().enumerate() {
+        for (r, row) in acc.iter_mut().enumerate() {
             let mut tmp = [0u8; 4 * 34];
             std::ptr::copy_nonoverlapping(w.add(r * s.rb + st * step_bytes), tmp.as_mut_ptr(), s.tail * F::BB);
-            *d = F::decode(tmp.as_ptr());
-        }
-        for c in 0..C {
-            for r in 0..R {
-                acc[r][c] = F::dot(&wd[r], &x[c], st, acc[r][c]);
+            let wd = F::decode(tmp.as_ptr());
+            for (a, xc) in row.iter_mut().zip(x) {
+                *a = F::dot(&wd, xc, st, *a);
             }
         }
     }
@@ -263,6 +326,25 @@ unsafe fn tile<F: Format, const R: usize, const C: usize>(
         }
     }
     res
+}
+
+/// `f(r)` for `r` in `0..R` (at most 4), unrolled: with constant indices a tile's accumulators stay
+/// in registers (a loop over the rows kept them on the stack).
+#[inline(always)]
+fn unroll<const R: usize>(mut f: impl FnMut(usize)) {
+    const { assert!(R <= 4) };
+    if R > 0 {
+        f(0);
+    }
+    if R > 1 {
+        f(1);
+    }
+    if R > 2 {
+        f(2);
+    }
+    if R > 3 {
+        f(3);
+    }
 }
 
 /// The sum of the 16 lanes, always by the same tree.
@@ -432,6 +514,7 @@ struct Q5K;
 struct Q6K;
 
 impl Format for Q8_0 {
+    const ROW_AT_A_TIME: bool = false;
     const BB: usize = 34;
     const SB: usize = 4;
     const LINES: usize = 3;
@@ -458,6 +541,7 @@ impl Format for Q8_0 {
 }
 
 impl Format for Q4_0 {
+    const ROW_AT_A_TIME: bool = false;
     const BB: usize = 18;
     const SB: usize = 4;
     const LINES: usize = 3;
@@ -508,6 +592,7 @@ unsafe fn levels5(b: *const u8, bb: usize, qs_at: usize, qh_at: usize, off: bool
 }
 
 impl Format for Q5_0 {
+    const ROW_AT_A_TIME: bool = false;
     const BB: usize = 22;
     const SB: usize = 4;
     const LINES: usize = 3;
@@ -533,6 +618,7 @@ impl Format for Q5_0 {
 }
 
 impl Format for Q5_1 {
+    const ROW_AT_A_TIME: bool = false;
     const BB: usize = 24;
     const SB: usize = 4;
     const LINES: usize = 4;
@@ -562,108 +648,115 @@ impl Format for Q5_1 {
 // ---------------------------------------------------------------------------------------------------
 // k-quants
 
-/// The super-block's 256 activation levels (natural order), `+ 128` when `offset`.
+/// K-quant activations, 5 vectors per super-block: 4 of levels, transposed so that each column
+/// of the 4 vectors (`g` bytes wide: lane `l` of every vector) holds one sub-block, in pieces of `g`
+/// elements: `g · l` bytes into vector `k` is element `4 g l + g k` (Q4_K / Q5_K: `g` = 8, a
+/// sub-block of 32 per qword; Q6_K: `g` = 4, a group of 16 per i32 lane). Then, per i32 lane `l`
+/// (the 16-element sums `bsums[l]`): Q4_K / Q5_K `d_x · bsums[l]` in f32, Q6_K `-32 · bsums[l]` in i32.
 ///
 /// # Safety
-/// AVX-512 F/BW; `out` holds `4 · steps` vectors.
+/// AVX-512 F/BW; `out` holds `5 · steps` vectors.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn prep_k(acts: &QActs, r: usize, steps: usize, out: *mut __m512i, offset: bool) {
+unsafe fn prep_k(acts: &QActs, r: usize, steps: usize, out: *mut __m512i, six: bool) {
     let q = acts.row_qs(r).as_ptr();
-    let c = if offset { _mm512_set1_epi8(0x80u8 as i8) } else { _mm512_setzero_si512() };
-    for i in 0..4 * steps {
-        out.add(i).write(_mm512_xor_si512(_mm512_loadu_si512(q.add(64 * i) as *const _), c));
+    let (d, bs) = (acts.row_d(r).as_ptr(), acts.bsums.as_ptr().add(r * steps * 16));
+    for st in 0..steps {
+        let (q, o) = (q.add(256 * st), out.add(5 * st));
+        let v = |i: usize| _mm512_loadu_si512(q.add(64 * i) as *const _);
+        let (v0, v1, v2, v3) = (v(0), v(1), v(2), v(3));
+        for k in 0..4 {
+            // Pieces k, 4 + k, 8 + k, .. of the first 128 bytes, then of the next 128.
+            let (lo, hi) = if six {
+                let idx = _mm512_add_epi32(
+                    _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0),
+                    _mm512_set1_epi32(k as i32),
+                );
+                (_mm512_permutex2var_epi32(v0, idx, v1), _mm512_permutex2var_epi32(v2, idx, v3))
+            } else {
+                let idx = _mm512_add_epi64(_mm512_setr_epi64(0, 4, 8, 12, 0, 0, 0, 0), _mm512_set1_epi64(k as i64));
+                (_mm512_permutex2var_epi64(v0, idx, v1), _mm512_permutex2var_epi64(v2, idx, v3))
+            };
+            o.add(k).write(_mm512_shuffle_i64x2::<0x44>(lo, hi));
+        }
+        let sums = _mm512_cvtepi16_epi32(_mm256_loadu_si256(bs.add(16 * st) as *const __m256i));
+        o.add(4).write(if six {
+            _mm512_slli_epi32::<5>(_mm512_sub_epi32(_mm512_setzero_si512(), sums))
+        } else {
+            _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(*d.add(st))))
+        });
     }
 }
 
-/// Lane `l` of vector `t` takes scale `2t + l / 8` (Q4_K / Q5_K sub-blocks of 32).
-static SC_K4: [[i32; 16]; 4] = {
-    let mut t = [[0i32; 16]; 4];
-    let mut v = 0;
-    while v < 4 {
-        let mut l = 0;
-        while l < 16 {
-            t[v][l] = (2 * v + l / 8) as i32;
-            l += 1;
-        }
-        v += 1;
-    }
-    t
-};
-
-/// Lane `l` of vector `t` takes scale `4t + l / 4` (Q6_K groups of 16).
-static SC_K6: [[i32; 16]; 4] = {
-    let mut t = [[0i32; 16]; 4];
-    let mut v = 0;
-    while v < 4 {
-        let mut l = 0;
-        while l < 16 {
-            t[v][l] = (4 * v + l / 4) as i32;
-            l += 1;
-        }
-        v += 1;
-    }
-    t
-};
-
-/// A decoded Q4_K / Q5_K super-block: unsigned levels (4 vectors of 64, natural order), each lane's
-/// sub-block scale (i32 with a zero high half), the minimums as i16 pairs `mn[j], mn[j]` (against the
-/// activation's two 16-sums of sub-block `j`), and the f16 scale and minimum scale.
+/// A decoded Q4_K / Q5_K super-block: unsigned levels in the activations' order (`prep_k`), and
+/// per i32 lane `l` the float scale `d · sc[l / 2]` and minimum `dmin · mn[l / 2]` of its sub-block
+/// (exact: an f16 times a 6-bit integer; Q4_K's odd sub-blocks keep their levels in the high
+/// nibble, `16 q`, and have `d · sc / 16`).
 #[derive(Clone, Copy)]
 struct KMin {
     q: [__m512i; 4],
-    sc: [__m512i; 4],
-    mn: __m256i,
-    d: __m512,
-    dmin: __m512,
+    sc: __m512,
+    mn: __m512,
 }
 
-/// Everything of a Q4_K / Q5_K super-block at `p` but its levels.
+/// Qword indices of the levels' bytes (first 64 bytes `0..8`, next 64 `8..16`) for vector `k` of a
+/// Q4_K / Q5_K super-block: sub-blocks `2c` and `2c + 1` are the low and high nibbles of the 32
+/// bytes of chunk `c`, and their eighth `k` is qword `k` of the chunk.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn kmin_idx(k: usize) -> __m512i {
+    _mm512_add_epi64(_mm512_setr_epi64(0, 0, 4, 4, 8, 8, 12, 12), _mm512_set1_epi64(k as i64))
+}
+
+/// The scales and minimums of the Q4_K / Q5_K super-block at `p`, as `KMin` has them (`odd16`: odd
+/// sub-blocks' scales divided by 16).
 ///
 /// # Safety
 /// AVX-512F + F16C; `p` is a Q4_K / Q5_K block.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
-unsafe fn kmin_scales(p: *const u8, w: &mut KMin) {
+unsafe fn kmin_scales(p: *const u8, odd16: bool) -> (__m512, __m512) {
     let word = |at: usize| (p.add(at) as *const u32).read_unaligned();
     let (sc8, mn8) = super::quant::scales_mins_k4(word(4), word(8), word(12));
-    let (sc8, mn8) = (sc8 as i64, mn8 as i64);
-    let sc32 = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128(sc8));
-    for (s, idx) in w.sc.iter_mut().zip(&SC_K4) {
-        *s = _mm512_permutexvar_epi32(_mm512_loadu_si512(idx.as_ptr() as *const _), sc32);
+    // Lanes 0..8 the scales, 8..16 the minimums; times d (8 lanes) and dmin (8 lanes).
+    let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(mn8 as i64, sc8 as i64)));
+    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(word(0) as i32));
+    let by8 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let mut dd = _mm512_permutexvar_ps(by8, _mm512_castps128_ps512(dm));
+    if odd16 {
+        let k = 1.0 / 16.0;
+        dd = _mm512_mul_ps(dd, _mm512_setr_ps(1., k, 1., k, 1., k, 1., k, 1., 1., 1., 1., 1., 1., 1., 1.));
     }
-    let mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn8));
-    w.mn = _mm256_set_m128i(_mm_unpackhi_epi16(mn16, mn16), _mm_unpacklo_epi16(mn16, mn16));
-    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
-    w.d = _mm512_broadcastss_ps(dm);
-    w.dmin = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+    let v = _mm512_mul_ps(v, dd);
+    let sc = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), v);
+    let mn = _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15), v);
+    (sc, mn)
 }
 
-/// `acc + f32(Σ_j sc_j Σ q·x) · (d · d_x) − f32(Σ_j mn_j · bsums_j) · (dmin · d_x)` for a Q4_K / Q5_K
-/// super-block against Q8_K activations.
+/// `acc + f32(Σ q·x) · (d · sc · d_x) − (dmin · mn) · (d_x · bsums)` lane by lane for a Q4_K / Q5_K
+/// super-block against Q8_K activations: the 4 vectors' products add into the same i32 lanes (16
+/// products of one sub-block each, below 2^19), converted once.
 ///
 /// # Safety
 /// AVX-512 VNNI; `a` has super-block `st`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 unsafe fn dot_kmin(w: &KMin, a: &Act, st: usize, acc: __m512) -> __m512 {
-    let x = a.x.add(4 * st);
+    let x = a.x.add(5 * st);
     let mut s = _mm512_setzero_si512();
-    for t in 0..4 {
-        let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.q[t], x.add(t).read());
-        s = _mm512_dpwssd_epi32(s, p, w.sc[t]);
+    for (k, q) in w.q.iter().enumerate() {
+        s = _mm512_dpbusd_epi32(s, *q, x.add(k).read());
     }
-    let dx = _mm512_set1_ps(*a.d.add(st));
-    let ms = _mm256_madd_epi16(w.mn, _mm256_loadu_si256(a.bs.add(16 * st) as *const __m256i));
-    let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(w.d, dx), acc);
-    let msf = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(ms));
-    _mm512_fnmadd_ps(msf, _mm512_mul_ps(w.dmin, dx), acc)
+    let t = _mm512_mul_ps(w.sc, _mm512_set1_ps(*a.d.add(st)));
+    let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), t, acc);
+    _mm512_fnmadd_ps(w.mn, _mm512_castsi512_ps(x.add(4).read()), acc)
 }
 
 impl Format for Q4K {
+    const ROW_AT_A_TIME: bool = true;
     const BB: usize = 144;
     const SB: usize = 1;
-    const LINES: usize = 4;
+    const LINES: usize = 5;
     type W = KMin;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -674,16 +767,13 @@ impl Format for Q4K {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn decode(b: *const u8) -> KMin {
-        let mut w: KMin = std::mem::zeroed();
-        kmin_scales(b, &mut w);
-        let m4 = _mm512_set1_epi8(0x0f);
-        for c in 0..4 {
-            // Low nibbles of the 32 bytes are elements 64c..64c+32, high nibbles the next 32.
-            let v = _mm256_loadu_si256(b.add(16 + 32 * c) as *const __m256i);
-            let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_srli_epi16::<4>(v));
-            w.q[c] = _mm512_and_si512(z, m4);
-        }
-        w
+        let (sc, mn) = kmin_scales(b, true);
+        // Low nibbles (even sub-blocks) as they are, high nibbles (odd sub-blocks) in place: 16 q.
+        let (v, w) = (_mm512_loadu_si512(b.add(16) as *const _), _mm512_loadu_si512(b.add(80) as *const _));
+        let (lo, hi) = (0x0f0f_0f0f_0f0f_0f0fu64 as i64, 0xf0f0_f0f0_f0f0_f0f0u64 as i64);
+        let m = _mm512_setr_epi64(lo, hi, lo, hi, lo, hi, lo, hi);
+        let q = std::array::from_fn(|k| _mm512_and_si512(_mm512_permutex2var_epi64(v, kmin_idx(k), w), m));
+        KMin { q, sc, mn }
     }
 
     #[inline]
@@ -694,9 +784,10 @@ impl Format for Q4K {
 }
 
 impl Format for Q5K {
+    const ROW_AT_A_TIME: bool = true;
     const BB: usize = 176;
     const SB: usize = 1;
-    const LINES: usize = 4;
+    const LINES: usize = 5;
     type W = KMin;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -707,21 +798,20 @@ impl Format for Q5K {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn decode(b: *const u8) -> KMin {
-        let mut w: KMin = std::mem::zeroed();
-        kmin_scales(b, &mut w);
-        let (m4, b4) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x10));
-        // Bits 2c and 2c+1 of qh[l] are the fifth bits of elements 64c + l and 64c + 32 + l: with
-        // `h = [qh, qh >> 1]`, chunk c's fifth bits are bit 2c of h's bytes, moved to bit 4 (16-bit
-        // shifts; the mask keeps each byte's own bit).
-        let qh = _mm256_loadu_si256(b.add(16) as *const __m256i);
-        let h = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), _mm256_srli_epi16::<1>(qh));
-        let hs = [_mm512_slli_epi16::<4>(h), _mm512_slli_epi16::<2>(h), h, _mm512_srli_epi16::<2>(h)];
-        for (c, (q, hc)) in w.q.iter_mut().zip(hs).enumerate() {
-            let v = _mm256_loadu_si256(b.add(48 + 32 * c) as *const __m256i);
-            let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_srli_epi16::<4>(v));
-            *q = _mm512_or_si512(_mm512_and_si512(z, m4), _mm512_and_si512(hc, b4));
-        }
-        w
+        let (sc, mn) = kmin_scales(b, false);
+        let (v, w) = (_mm512_loadu_si512(b.add(48) as *const _), _mm512_loadu_si512(b.add(112) as *const _));
+        let (m4, c16) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(16));
+        // Bit j of qh[l] is the fifth bit of element l of sub-block j, and qword j of vector k holds
+        // sub-block j's elements 8k..8k+8: qh's qword k, tested against bit j in qword j.
+        let bit = |j: i64| 0x0101_0101_0101_0101i64 << j;
+        let sel = _mm512_setr_epi64(bit(0), bit(1), bit(2), bit(3), bit(4), bit(5), bit(6), bit(7));
+        let q = std::array::from_fn(|k| {
+            let z = _mm512_permutex2var_epi64(v, kmin_idx(k), w);
+            let z = _mm512_and_si512(_mm512_mask_srli_epi64::<4>(z, 0xaa, z), m4);
+            let qh = _mm512_set1_epi64((b.add(16 + 8 * k) as *const i64).read_unaligned());
+            _mm512_mask_add_epi8(z, _mm512_test_epi8_mask(qh, sel), z, c16)
+        });
+        KMin { q, sc, mn }
     }
 
     #[inline]
@@ -731,20 +821,20 @@ impl Format for Q5K {
     }
 }
 
-/// A decoded Q6_K super-block: signed levels (offset 32 removed; 4 vectors of 64, natural order),
-/// `-128 · Σ w` per lane, each lane's group scale (i32 with a zero high half), and the f16 scale.
+/// A decoded Q6_K super-block: unsigned levels (offset 32 kept) in the activations' order
+/// (`prep_k`: i32 lane `l` of every vector is group `l`), and each lane's float scale `d · sc[l]`
+/// (exact: an f16 times an i8).
 #[derive(Clone, Copy)]
 struct K6 {
-    w: [__m512i; 4],
-    nc: [__m512i; 4],
-    sc: [__m512i; 4],
-    d: __m512,
+    q: [__m512i; 4],
+    sc: __m512,
 }
 
 impl Format for Q6K {
+    const ROW_AT_A_TIME: bool = true;
     const BB: usize = 210;
     const SB: usize = 1;
-    const LINES: usize = 4;
+    const LINES: usize = 5;
     type W = K6;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -755,48 +845,40 @@ impl Format for Q6K {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn decode(b: *const u8) -> K6 {
-        let mut w: K6 = std::mem::zeroed();
-        let (m4, m2, c32) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30), _mm512_set1_epi8(32));
-        for h in 0..2 {
-            // Byte l of ql's 64: low nibble element 128h + l, high nibble 128h + 64 + l. qh[l] bits
-            // 2k, 2k+1 are bits 4, 5 of element 128h + l + 32k: with `q = [qh, qh >> 2]`, bits 0-1 of
-            // q's bytes for the first vector and bits 4-5 for the second.
-            let ql = _mm512_loadu_si512(b.add(64 * h) as *const _);
-            let qh = _mm256_loadu_si256(b.add(128 + 32 * h) as *const __m256i);
-            let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), _mm256_srli_epi16::<2>(qh));
-            let a = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_slli_epi16::<4>(q), m2));
-            let bb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4), _mm512_and_si512(q, m2));
-            w.w[2 * h] = _mm512_sub_epi8(a, c32);
-            w.w[2 * h + 1] = _mm512_sub_epi8(bb, c32);
-        }
-        let c = _mm512_set1_epi8(0x80u8 as i8);
-        for t in 0..4 {
-            let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, w.w[t]);
-            w.nc[t] = _mm512_sub_epi32(_mm512_setzero_si512(), s);
-        }
-        let sc32 = _mm512_and_si512(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(192) as *const __m128i)),
-            _mm512_set1_epi32(0xffff),
-        );
-        for (s, idx) in w.sc.iter_mut().zip(&SC_K6) {
-            *s = _mm512_permutexvar_epi32(_mm512_loadu_si512(idx.as_ptr() as *const _), sc32);
-        }
+        // Half h's 64 bytes of ql: byte i's low nibble is element 128h + i, its high nibble element
+        // 128h + 64 + i; so group l's elements 4k..4k+4 are the low (l % 8 < 4) or high nibbles of
+        // i32 lane 4 (l % 4) + k of half l / 8. Their bits 4-5 are bits 2j, 2j + 1 (j = l % 8 / 2)
+        // of qh's i32 lane 8 (l / 8) + 4 (l % 2) + k, rotated into place.
+        let (v0, v1) = (_mm512_loadu_si512(b as *const _), _mm512_loadu_si512(b.add(64) as *const _));
+        let qh = _mm512_loadu_si512(b.add(128) as *const _);
+        let (m4, m6) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x3f));
+        let rot = _mm512_setr_epi32(4, 4, 2, 2, 0, 0, 30, 30, 4, 4, 2, 2, 0, 0, 30, 30);
+        let q = std::array::from_fn(|k| {
+            let k = k as i32;
+            let il = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 16, 20, 24, 28, 16, 20, 24, 28);
+            let z = _mm512_permutex2var_epi32(v0, _mm512_add_epi32(il, _mm512_set1_epi32(k)), v1);
+            let z = _mm512_mask_srli_epi32::<4>(z, 0xf0f0, z);
+            let ih = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 8, 12, 8, 12, 8, 12, 8, 12);
+            let h = _mm512_rolv_epi32(_mm512_permutexvar_epi32(_mm512_add_epi32(ih, _mm512_set1_epi32(k)), qh), rot);
+            // Bits 0-3 from z, 4-7 from h; then bits 6-7 cleared.
+            _mm512_and_si512(_mm512_ternarylogic_epi32::<0xca>(m4, z, h), m6)
+        });
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(192) as *const __m128i)));
         let d = _mm_cvtph_ps(_mm_cvtsi32_si128((b.add(208) as *const u16).read_unaligned() as i32));
-        w.d = _mm512_broadcastss_ps(d);
-        w
+        K6 { q, sc: _mm512_mul_ps(sc, _mm512_broadcastss_ps(d)) }
     }
 
-    /// `acc + f32(Σ_g sc_g Σ (q − 32)·x) · (d · d_x)`, lane by lane: each lane's 4-product sum (below
-    /// 2^14) times its group scale, over the 4 vectors (below 2^23).
+    /// `acc + f32(Σ (q − 32)·x) · (d · sc · d_x)` lane by lane: each lane's 16 products of one group,
+    /// started from `-32 · bsums` (exact, below 2^17), converted once.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn dot(w: &K6, a: &Act, st: usize, acc: __m512) -> __m512 {
-        let x = a.x.add(4 * st);
-        let mut s = _mm512_setzero_si512();
-        for t in 0..4 {
-            let p = _mm512_dpbusd_epi32(w.nc[t], x.add(t).read(), w.w[t]);
-            s = _mm512_dpwssd_epi32(s, p, w.sc[t]);
+        let x = a.x.add(5 * st);
+        let mut s = x.add(4).read();
+        for (k, q) in w.q.iter().enumerate() {
+            s = _mm512_dpbusd_epi32(s, *q, x.add(k).read());
         }
-        _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(w.d, _mm512_set1_ps(*a.d.add(st))), acc)
+        let t = _mm512_mul_ps(w.sc, _mm512_set1_ps(*a.d.add(st)));
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), t, acc)
     }
 }

@@ -343,18 +343,31 @@ pub(crate) fn matmul_quant(isa: Isa, x: &[f32], m: usize, w: QMatRef, out: &mut 
     if m == 0 || n == 0 {
         return;
     }
-    let acts = quant::quantize_acts(w.qtype, x, m, k);
-    let isa = runnable(isa);
-    tiling::for_row_ranges(n, w.row_bytes(), k, m, out, split, |rows, outs| {
-        let wc = w.slice_rows(rows.start, rows.len());
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Bf16 if avx512_quant::supported() => avx512_quant::matmul(&acts, wc, outs),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => avx2_quant::matmul(&acts, wc, outs),
-            _ => quant::matmul(&acts, wc, outs),
+    thread_local! {
+        /// The quantized activations' buffers, kept between calls. Taken while in use: a nested call on
+        /// the same thread (rayon runs other work while a caller waits) finds them empty.
+        static ACTS: std::cell::Cell<quant::QActs> = std::cell::Cell::new(quant::QActs::default());
+    }
+    let mut acts = ACTS.take();
+    quant::quantize_acts_into(w.qtype, x, m, k, &mut acts);
+    let mut chunks = |f: &(dyn Fn(QMatRef, &mut [&mut [f32]]) + Sync)| {
+        tiling::for_row_ranges(n, w.row_bytes(), k, m, out, split, |rows, outs| {
+            f(w.slice_rows(rows.start, rows.len()), outs)
+        })
+    };
+    match runnable(isa) {
+        // The activations laid out for the kernels once, for every chunk.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 if avx512_quant::supported() => {
+            avx512_quant::with_prepared(&acts, w.qtype, |p| {
+                chunks(&|wc, outs| avx512_quant::matmul_prepared(p, wc, outs))
+            })
         }
-    });
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => chunks(&|wc, outs| avx2_quant::matmul(&acts, wc, outs)),
+        _ => chunks(&|wc, outs| quant::matmul(&acts, wc, outs)),
+    }
+    ACTS.set(acts);
 }
 
 /// How a matmul's weight rows are divided among threads.

@@ -661,6 +661,13 @@ pub struct QActs {
     pub bsums: Vec<i16>,
 }
 
+impl Default for QActs {
+    /// No rows (a buffer for [`quantize_acts_into`]).
+    fn default() -> Self {
+        QActs { kind: ActKind::Q8_0, rows: 0, cols: 0, qs: Vec::new(), d: Vec::new(), s: Vec::new(), bsums: Vec::new() }
+    }
+}
+
 impl QActs {
     pub fn block(&self) -> usize {
         if self.kind == ActKind::Q8_K {
@@ -686,20 +693,27 @@ impl QActs {
 
 /// Quantize `m` rows of `x` (`[m, k]`) for weights of format `qt`.
 pub fn quantize_acts(qt: QType, x: &[f32], m: usize, k: usize) -> QActs {
+    let mut a = QActs::default();
+    quantize_acts_into(qt, x, m, k, &mut a);
+    a
+}
+
+/// [`quantize_acts`] into `a`, reusing its buffers.
+pub fn quantize_acts_into(qt: QType, x: &[f32], m: usize, k: usize, a: &mut QActs) {
     assert_eq!(x.len(), m * k, "activation shape");
     let kind = qt.act();
     let block = if kind == ActKind::Q8_K { QK_K } else { 32 };
     assert!(k.is_multiple_of(block), "activation width is a whole number of blocks");
     let nb = k / block;
-    let mut a = QActs {
-        kind,
-        rows: m,
-        cols: k,
-        qs: vec![0; m * k],
-        d: vec![0.0; m * nb],
-        s: if kind == ActKind::Q8_1 { vec![0.0; m * nb] } else { Vec::new() },
-        bsums: if kind == ActKind::Q8_K { vec![0; m * k / 16] } else { Vec::new() },
-    };
+    fn refill<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
+        v.clear();
+        v.resize(n, T::default());
+    }
+    (a.kind, a.rows, a.cols) = (kind, m, k);
+    refill(&mut a.qs, m * k);
+    refill(&mut a.d, m * nb);
+    refill(&mut a.s, if kind == ActKind::Q8_1 { m * nb } else { 0 });
+    refill(&mut a.bsums, if kind == ActKind::Q8_K { m * k / 16 } else { 0 });
     for (bi, (xb, qb)) in x.chunks_exact(block).zip(a.qs.chunks_exact_mut(block)).enumerate() {
         if kind == ActKind::Q8_K {
             let max = signed_max(xb);
@@ -731,7 +745,6 @@ pub fn quantize_acts(qt: QType, x: &[f32], m: usize, k: usize) -> QActs {
             }
         }
     }
-    a
 }
 
 // ---------------------------------------------------------------------------------------------------
