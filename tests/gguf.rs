@@ -284,3 +284,45 @@ fn quantize_command_writes_a_gguf_that_runs_like_quantizing_on_load() {
 fn gguf_fixture(name: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name).display().to_string()
 }
+
+/// Damaged files never crash the loader: random byte changes in the header, metadata and tensor table of a
+/// real file, and truncations anywhere, give an error or (when the change is harmless) a model.
+#[test]
+fn damaged_files_are_refused_without_crashing() {
+    let good = std::fs::read(gguf_fixture("t1-f32-q8_0.gguf")).unwrap();
+    let m = GgufModel::open(Path::new(&gguf_fixture("t1-f32-q8_0.gguf")), true).unwrap();
+    let head = m.tensors().map(|t| t.start).min().unwrap();
+    let mut rng = tandem::decode::sampling::Rng::new(7);
+    let path = scratch("damaged.gguf");
+    let (mut refused, mut loaded) = (0, 0);
+    for i in 0..400 {
+        let mut b = good.clone();
+        if i % 4 == 3 {
+            b.truncate((rng.next_u64() % good.len() as u64) as usize);
+        } else {
+            for _ in 0..1 + rng.next_u64() % 4 {
+                let at = (rng.next_u64() % head as u64) as usize;
+                b[at] = match rng.next_u64() % 3 {
+                    0 => 0xff,
+                    1 => 0,
+                    _ => rng.next_u64() as u8,
+                };
+            }
+        }
+        std::fs::write(&path, &b).unwrap();
+        match TargetModel::load(&path) {
+            Ok(model) => {
+                model.forward(&mut model.new_cache(), &[2, 3], Keep::Last).ok();
+                loaded += 1;
+            }
+            Err(e) => {
+                // The error names the file (and, through its chain, what is wrong with it).
+                assert!(format!("{e:#}").contains("damaged.gguf"), "{e:#}");
+                refused += 1;
+            }
+        }
+        let _ = tandem::text::TextTokenizer::load(&path);
+    }
+    println!("{refused} refused, {loaded} loaded");
+    assert!(refused > 200);
+}
