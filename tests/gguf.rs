@@ -159,6 +159,19 @@ fn foreign_and_broken_files_are_refused_with_the_reason() {
     write_file(&p, &ex);
     let e = format!("{:#}", TargetModel::load(&p).err().unwrap());
     assert!(e.contains("required metadata `gemma4.attention.sliding_window` is missing"), "{e}");
+    // A last layer marked sliding (transformers would silently make it full; llama.cpp would not).
+    let mut ex = export::target(&cfg, &store, "t1").unwrap();
+    for (k, v) in ex.meta.iter_mut() {
+        if k == "gemma4.attention.sliding_window_pattern" {
+            if let tandem::gguf::MetaValue::Array(a) = v {
+                *a.last_mut().unwrap() = tandem::gguf::MetaValue::Bool(true);
+            }
+        }
+    }
+    let p = scratch("lastsliding.gguf");
+    write_file(&p, &ex);
+    let e = format!("{:#}", TargetModel::load(&p).err().unwrap());
+    assert!(e.contains("makes the last layer sliding"), "{e}");
     // A tensor the layout does not have.
     let mut ex = export::target(&cfg, &store, "t1").unwrap();
     let at = ex.tensors.iter().position(|(n, _)| n.starts_with("blk.0.")).unwrap();

@@ -85,6 +85,14 @@ fn text_fields(m: &GgufModel, arch: &str) -> Result<Map<String, Value>> {
         ),
         None => return Err(m.missing(&k("attention.sliding_window_pattern"))),
     };
+    // transformers makes the last layer full attention whatever the config says; a file that says otherwise
+    // would be computed differently by llama.cpp, so it is refused rather than silently changed.
+    if swa[n - 1] {
+        bail!(
+            "{path}: metadata `{}` makes the last layer sliding; Gemma 4's last layer is full attention",
+            k("attention.sliding_window_pattern")
+        );
+    }
     let head_full = m.usize_req(&k("attention.key_length"))?;
     let head_swa = m.usize_req(&k("attention.key_length_swa"))?;
     for (key, want) in [("attention.value_length", head_full), ("attention.value_length_swa", head_swa)] {
@@ -115,7 +123,7 @@ fn text_fields(m: &GgufModel, arch: &str) -> Result<Map<String, Value>> {
     let base = ff[0];
     let double_wide = ff[first_shared..].iter().any(|&w| w != base);
     for (i, &w) in ff.iter().enumerate() {
-        let want = if double_wide && i >= first_shared { 2 * base } else { base };
+        let want = if double_wide && i >= first_shared { base.saturating_mul(2) } else { base };
         if w != want {
             bail!(
                 "{path}: metadata `{}` is {ff:?}; tandem runs one width, doubled on the K/V-sharing layers at most",
@@ -201,8 +209,13 @@ fn rope(m: &GgufModel, arch: &str, head_full: usize, head_swa: usize) -> Result<
             if rotated == 0 || v[rotated..].iter().any(|&x| x < 1e29) {
                 bail!("{path}: tensor `rope_freqs.weight` is not Gemma 4's proportional RoPE (ones, then 1e30)");
             }
-            let factor = 2.0 * rotated as f64 / head_full as f64;
-            json!({"rope_type": "proportional", "partial_rotary_factor": factor, "rope_theta": theta_full})
+            // The factor as the f32 whose `floor(factor · D / 2)` is exactly the number of rotated pairs (the
+            // nearest f32 to 2r/D can fall just short of it when D is not a power of two).
+            let mut factor = (2.0 * rotated as f64 / head_full as f64) as f32;
+            while ((factor as f64) * head_full as f64 / 2.0).floor() < rotated as f64 {
+                factor = f32::from_bits(factor.to_bits() + 1);
+            }
+            json!({"rope_type": "proportional", "partial_rotary_factor": factor as f64, "rope_theta": theta_full})
         }
     };
     Ok(json!({
