@@ -45,8 +45,9 @@ sys.path.insert(0, str(LLAMA_SRC / "gguf-py"))
 import gguf  # noqa: E402  (llama.cpp's own gguf-py, the one its converter uses)
 
 QUANTS = ["Q8_0", "Q4_0", "Q4_K_M"]
-# t6-long's o_proj rows (512 / 1024 columns) are the only tiny tensors wide enough for k-quant blocks (256)
-QUANTS_T6 = ["Q4_K_M", "Q6_K"]
+# t6-long's o_proj rows (512 / 1024 columns) are the only tiny tensors wide enough for k-quant blocks (256);
+# IQ4_XS has 256-blocks too (llama-quantize falls back for the 64-wide rows: the notes record to what)
+QUANTS_T6 = ["Q4_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"]
 N_GREEDY = 12          # greedy steps recorded for the fixed / golden prompts
 N_DRAFT = 4            # MTP draft length for the speculative runs
 

@@ -20,7 +20,8 @@ from gguf import GGUFReader
 src, quantize = sys.argv[1], sys.argv[2]
 rows = int(sys.argv[sys.argv.index("--rows") + 1]) if "--rows" in sys.argv else 2
 # llama-quantize's names for a pure file of each block format.
-FTYPES = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S", "Q6_K": "Q6_K"}
+FTYPES = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S", "Q6_K": "Q6_K",
+          "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
 
 
 def raw_rows(t, n):

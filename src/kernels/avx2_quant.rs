@@ -3,11 +3,14 @@
 //! step per block (per super-block for the k-quants).
 //!
 //! Each weight block is decoded once per tile into vectors of levels (and scale vectors) and used for
-//! every activation row of the tile. The signed formats (Q8_0, Q4_0, Q5_0) use `|w|` as the unsigned
+//! every activation row of the tile. The signed formats (Q8_0, Q4_0, Q5_0, and IQ4_NL / IQ4_XS, whose
+//! nibbles become their table's int8 levels by one `vpshufb`) use `|w|` as the unsigned
 //! operand and move the sign onto the activation (`vpsignb`); Q5_1, Q4_K and Q5_K have unsigned levels
 //! and multiply them directly; Q6_K multiplies its unsigned levels `0..63` and removes the offset 32
 //! with the activation's 16-element sums. Every `u8 · s8` pair stays far below `vpmaddubsw`'s i16
-//! saturation (at most `2 · 128 · 127`, for a Q8_0 level of -128).
+//! saturation (at most `2 · 128 · 127`, for a Q8_0 level of -128). IQ4_XS's lane sums (sub-block scales
+//! up to 32 in magnitude times levels up to 127, 32 elements per lane over a super-block) stay below
+//! `8 · 4 · 127 · 127 · 32 < 2^24`.
 //!
 //! Batch invariance: an output element is one 8-lane f32 accumulator updated once per block with the
 //! same operations (`acc += f32(lane sums) · (d_w · d_x)`, plus the minimum / offset terms), then
@@ -15,7 +18,7 @@
 //! row `i` of an `m`-row product equals that row alone. The lane sums are exact integers (below 2^24
 //! per lane), so only the order of the float additions differs from the reference `quant::dot_row`.
 
-use super::quant::{QActs, QMatRef, QType};
+use super::quant::{QActs, QMatRef, QType, IQ4_VALUES};
 use std::arch::x86_64::*;
 
 /// `out[i][j] = Σ_k acts[i, k] · w[j, k]`; `out[i]` has `w.rows` elements.
@@ -35,6 +38,8 @@ pub fn matmul(acts: &QActs, w: QMatRef, out: &mut [&mut [f32]]) {
             QType::Q4_K => run::<Q4K>(acts, w, out),
             QType::Q5_K => run::<Q5K>(acts, w, out),
             QType::Q6_K => run::<Q6K>(acts, w, out),
+            QType::IQ4_NL => run::<IQ4NL>(acts, w, out),
+            QType::IQ4_XS => run::<IQ4XS>(acts, w, out),
         }
     }
 }
@@ -278,6 +283,8 @@ struct Q5_1;
 struct Q4K;
 struct Q5K;
 struct Q6K;
+struct IQ4NL;
+struct IQ4XS;
 
 impl Format for Q8_0 {
     const BB: usize = 34;
@@ -585,5 +592,85 @@ impl Format for Q6K {
         let acc = _mm256_fmadd_ps(s0, dd, acc);
         let acc = _mm256_fmadd_ps(s1, dd, acc);
         _mm256_fnmadd_ps(off, dd, acc)
+    }
+}
+
+/// The IQ4 levels, in both 128-bit lanes (a `vpshufb` table).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn iq4_table() -> __m256i {
+    // SAFETY: 16 readable bytes.
+    let t = unsafe { _mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i) };
+    _mm256_broadcastsi128_si256(t)
+}
+
+impl Format for IQ4NL {
+    const BB: usize = 18;
+    const BE: usize = 32;
+    type W = Signed32;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn decode(b: *const u8) -> Signed32 {
+        signed32(_mm256_shuffle_epi8(iq4_table(), nibbles32(b.add(2))), f16_bcast(b))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot(w: &Signed32, a: &Act, bi: usize, acc: __m256) -> __m256 {
+        dot_signed32(w, a, bi, acc)
+    }
+}
+
+/// A decoded IQ4_XS super-block: each sub-block's levels as `|w|` and `w` (for the sign), its signed
+/// scale in every i16 lane, and the super-block's scale.
+#[derive(Clone, Copy)]
+struct Xs {
+    aw: [__m256i; 8],
+    w: [__m256i; 8],
+    sc: [__m256i; 8],
+    d: __m256,
+}
+
+impl Format for IQ4XS {
+    const BB: usize = 136;
+    const BE: usize = 256;
+    type W = Xs;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn decode(b: *const u8) -> Xs {
+        // SAFETY (zeroed): plain vectors.
+        let mut w: Xs = std::mem::zeroed();
+        let t = iq4_table();
+        for j in 0..8 {
+            // Sub-block j: low nibbles of its 16 bytes are elements 0..16, high nibbles 16..32.
+            let q = _mm256_shuffle_epi8(t, nibbles32(b.add(8 + 16 * j)));
+            w.w[j] = q;
+            w.aw[j] = _mm256_abs_epi8(q);
+        }
+        let sc8 = super::quant::iq4xs_scales(std::slice::from_raw_parts(b, 8)) as i64;
+        let sc16 = _mm_sub_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc8)), _mm_set1_epi16(32));
+        let scb = _mm256_broadcastsi128_si256(sc16);
+        for (s, ctl) in w.sc.iter_mut().zip(&BCAST16) {
+            *s = _mm256_shuffle_epi8(scb, _mm256_loadu_si256(ctl.as_ptr() as *const __m256i));
+        }
+        w.d = f16_bcast(b);
+        w
+    }
+
+    /// `acc + f32(Σ_j sc_j Σ w·x) · (d · d_x)` against Q8_K activations.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot(w: &Xs, a: &Act, bi: usize, acc: __m256) -> __m256 {
+        let x = a.q.add(256 * bi);
+        let mut s = _mm256_setzero_si256();
+        for j in 0..8 {
+            let xv = _mm256_loadu_si256(x.add(32 * j) as *const __m256i);
+            let p = _mm256_maddubs_epi16(w.aw[j], _mm256_sign_epi8(xv, w.w[j]));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, w.sc[j]));
+        }
+        let dx = _mm256_broadcast_ss(&*a.d.add(bi));
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.d, dx), acc)
     }
 }

@@ -4,10 +4,12 @@
 //!
 //! `vpdpbusd` wants one unsigned operand. The k-quants multiply their unsigned levels directly with
 //! the signed activations (Q6_K's offset of 32 comes back as `-32 · Σ x`, from the activations'
-//! 16-element sums). The others (Q8_0, Q4_0, Q5_0, Q5_1) multiply their signed levels (offset
+//! 16-element sums). The others (Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL) multiply their signed levels (offset
 //! removed) with the activations moved to `x + 128` (`u8`), and start each lane from `-128 · Σ w` over
 //! its weights, computed once per decoded weight vector and shared by every activation row: the lane
-//! then holds exactly `Σ x · w`.
+//! then holds exactly `Σ x · w`. IQ4_NL / IQ4_XS turn their nibbles into the table's levels with one
+//! `vpshufb`; IQ4_XS takes them as `w + 128` (`u8`) against the signed Q8_K activations and starts each
+//! lane (a group of 16) from `-128 · Σ x`, as Q6_K does with its offset of 32.
 //!
 //! Layouts. The activations are laid out once per product (`with_prepared`, `Format::prep`) in the
 //! order the weights decode to, and shared by every thread chunk. 32-element formats: a step is 4
@@ -17,7 +19,7 @@
 //! serve 4 blocks (the activations: `x + 128` in that order, then each block's scale over its 4
 //! lanes). k-quants: a step is one super-block, four vectors per operand, transposed so that lane `l`
 //! of all four belongs to one sub-block (`prep_k`): Q4_K / Q5_K a sub-block of 32 per qword (lanes
-//! `2j, 2j + 1`), Q6_K a group of 16 per i32 lane. The four `vpdpbusd` then chain into the same i32
+//! `2j, 2j + 1`), Q6_K and IQ4_XS a group of 16 per i32 lane. The four `vpdpbusd` then chain into the same i32
 //! lanes (16 products each), converted once and multiplied by per-lane float scales (`d · sc`, exact)
 //! times `d_x`: 4 `vpdpbusd`, one conversion and 2 (Q6_K) or 3 (Q4_K / Q5_K, with the minimums
 //! against `d_x · bsums`) float operations per super-block and activation row. The weights get
@@ -33,7 +35,7 @@
 //! in magnitude), so only the order and grouping of the float operations differ from the reference
 //! `quant::dot_row`.
 
-use super::quant::{QActs, QMatRef, QType};
+use super::quant::{QActs, QMatRef, QType, IQ4_VALUES};
 use std::arch::x86_64::*;
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -81,6 +83,8 @@ pub fn with_prepared<T>(acts: &QActs, qtype: QType, f: impl FnOnce(&Prepared) ->
             QType::Q4_K => prep_rows::<Q4K>(acts, &mut buf),
             QType::Q5_K => prep_rows::<Q5K>(acts, &mut buf),
             QType::Q6_K => prep_rows::<Q6K>(acts, &mut buf),
+            QType::IQ4_NL => prep_rows::<IQ4NL>(acts, &mut buf),
+            QType::IQ4_XS => prep_rows::<IQ4XS>(acts, &mut buf),
         }
     };
     let res = f(&Prepared { acts, qtype, x: &buf, per_row });
@@ -123,6 +127,8 @@ pub fn matmul_prepared(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]]) {
             QType::Q4_K => run::<Q4K>(p, w, out),
             QType::Q5_K => run::<Q5K>(p, w, out),
             QType::Q6_K => run::<Q6K>(p, w, out),
+            QType::IQ4_NL => run::<IQ4NL>(p, w, out),
+            QType::IQ4_XS => run::<IQ4XS>(p, w, out),
         }
     }
 }
@@ -512,6 +518,8 @@ struct Q5_1;
 struct Q4K;
 struct Q5K;
 struct Q6K;
+struct IQ4NL;
+struct IQ4XS;
 
 impl Format for Q8_0 {
     const ROW_AT_A_TIME: bool = false;
@@ -652,13 +660,14 @@ impl Format for Q5_1 {
 /// of the 4 vectors (`g` bytes wide: lane `l` of every vector) holds one sub-block, in pieces of `g`
 /// elements: `g · l` bytes into vector `k` is element `4 g l + g k` (Q4_K / Q5_K: `g` = 8, a
 /// sub-block of 32 per qword; Q6_K: `g` = 4, a group of 16 per i32 lane). Then, per i32 lane `l`
-/// (the 16-element sums `bsums[l]`): Q4_K / Q5_K `d_x · bsums[l]` in f32, Q6_K `-32 · bsums[l]` in i32.
+/// (the 16-element sums `bsums[l]`): Q4_K / Q5_K `d_x · bsums[l]` in f32, Q6_K `-32 · bsums[l]` and IQ4_XS
+/// `-128 · bsums[l]` in i32 (`six`: the group-of-16 layout, with offset `off`).
 ///
 /// # Safety
 /// AVX-512 F/BW; `out` holds `5 · steps` vectors.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn prep_k(acts: &QActs, r: usize, steps: usize, out: *mut __m512i, six: bool) {
+unsafe fn prep_k(acts: &QActs, r: usize, steps: usize, out: *mut __m512i, six: bool, off: i32) {
     let q = acts.row_qs(r).as_ptr();
     let (d, bs) = (acts.row_d(r).as_ptr(), acts.bsums.as_ptr().add(r * steps * 16));
     for st in 0..steps {
@@ -681,7 +690,7 @@ unsafe fn prep_k(acts: &QActs, r: usize, steps: usize, out: *mut __m512i, six: b
         }
         let sums = _mm512_cvtepi16_epi32(_mm256_loadu_si256(bs.add(16 * st) as *const __m256i));
         o.add(4).write(if six {
-            _mm512_slli_epi32::<5>(_mm512_sub_epi32(_mm512_setzero_si512(), sums))
+            _mm512_mullo_epi32(sums, _mm512_set1_epi32(-off))
         } else {
             _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(*d.add(st))))
         });
@@ -761,7 +770,7 @@ impl Format for Q4K {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
-        prep_k(acts, r, steps, out, false)
+        prep_k(acts, r, steps, out, false, 0)
     }
 
     #[inline]
@@ -792,7 +801,7 @@ impl Format for Q5K {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
-        prep_k(acts, r, steps, out, false)
+        prep_k(acts, r, steps, out, false, 0)
     }
 
     #[inline]
@@ -839,7 +848,7 @@ impl Format for Q6K {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
-        prep_k(acts, r, steps, out, true)
+        prep_k(acts, r, steps, out, true, 32)
     }
 
     #[inline]
@@ -873,12 +882,105 @@ impl Format for Q6K {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn dot(w: &K6, a: &Act, st: usize, acc: __m512) -> __m512 {
-        let x = a.x.add(5 * st);
-        let mut s = x.add(4).read();
-        for (k, q) in w.q.iter().enumerate() {
-            s = _mm512_dpbusd_epi32(s, *q, x.add(k).read());
-        }
-        let t = _mm512_mul_ps(w.sc, _mm512_set1_ps(*a.d.add(st)));
-        _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), t, acc)
+        dot_k16(w, a, st, acc)
+    }
+}
+
+/// `acc + f32(lane sums) · (sc · d_x)` lane by lane for a Q6_K or IQ4_XS super-block: each lane's 16
+/// products of one group (unsigned levels times the activations), started from the activations'
+/// offset term (`prep_k`: `-32 · bsums` or `-128 · bsums`), converted once.
+///
+/// # Safety
+/// AVX-512 VNNI; `a` has super-block `st`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn dot_k16(w: &K6, a: &Act, st: usize, acc: __m512) -> __m512 {
+    let x = a.x.add(5 * st);
+    let mut s = x.add(4).read();
+    for (k, q) in w.q.iter().enumerate() {
+        s = _mm512_dpbusd_epi32(s, *q, x.add(k).read());
+    }
+    let t = _mm512_mul_ps(w.sc, _mm512_set1_ps(*a.d.add(st)));
+    _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), t, acc)
+}
+
+/// The IQ4 levels plus `add` (wrapping), in all four 128-bit lanes (a `vpshufb` table).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn iq4_table(add: i8) -> __m512i {
+    let t: [i8; 16] = std::array::from_fn(|i| IQ4_VALUES[i].wrapping_add(add));
+    // SAFETY: 16 readable bytes.
+    _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(t.as_ptr() as *const __m128i) })
+}
+
+impl Format for IQ4NL {
+    const ROW_AT_A_TIME: bool = false;
+    const BB: usize = 18;
+    const SB: usize = 4;
+    const LINES: usize = 3;
+    type W = Step32;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
+        prep32(acts, r, steps, out, 3)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode(b: *const u8) -> Step32 {
+        // As Q4_0 (low nibbles elements 0..16, high nibbles 16..32), each nibble looked up in the table.
+        let q = lanes16(b.add(2), 18);
+        let (m4, t) = (_mm512_set1_epi8(0x0f), iq4_table(0));
+        let w0 = _mm512_shuffle_epi8(t, _mm512_and_si512(q, m4));
+        let w1 = _mm512_shuffle_epi8(t, _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4));
+        Step32 { w0, w1, nc: neg_corr(w0, w1), d: spread4(f16x4(b, 18)), m: _mm512_setzero_ps() }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn dot(w: &Step32, a: &Act, st: usize, acc: __m512) -> __m512 {
+        dot32(w, a, st, 3, acc)
+    }
+}
+
+impl Format for IQ4XS {
+    const ROW_AT_A_TIME: bool = true;
+    const BB: usize = 136;
+    const SB: usize = 1;
+    const LINES: usize = 5;
+    type W = K6;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
+        prep_k(acts, r, steps, out, true, 128)
+    }
+
+    /// Group `l` of 16 (i32 lane `l`) is sub-block `l / 2`'s low (even `l`) or high (odd `l`) nibbles,
+    /// and its elements `4k..4k + 4` (vector `k`) the nibbles of i32 word `4 (l / 2) + k` of the 128
+    /// bytes of indices, looked up as `level + 128`. Each lane's scale is `d · (ls − 32)` of its
+    /// sub-block (exact: an f16 times a 6-bit integer).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode(b: *const u8) -> K6 {
+        let (v0, v1) = (_mm512_loadu_si512(b.add(8) as *const _), _mm512_loadu_si512(b.add(72) as *const _));
+        let (m4, t) = (_mm512_set1_epi8(0x0f), iq4_table(-128));
+        let il = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+        let q = std::array::from_fn(|k| {
+            let z = _mm512_permutex2var_epi32(v0, _mm512_add_epi32(il, _mm512_set1_epi32(k as i32)), v1);
+            let z = _mm512_and_si512(_mm512_mask_srli_epi32::<4>(z, 0xaaaa, z), m4);
+            _mm512_shuffle_epi8(t, z)
+        });
+        let sc8 = super::quant::iq4xs_scales(std::slice::from_raw_parts(b, 8)) as i64;
+        let ls = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128(sc8));
+        let sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32)));
+        let sc = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), sc);
+        let d = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const u16).read_unaligned() as i32));
+        K6 { q, sc: _mm512_mul_ps(sc, _mm512_broadcastss_ps(d)) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn dot(w: &K6, a: &Act, st: usize, acc: __m512) -> __m512 {
+        dot_k16(w, a, st, acc)
     }
 }

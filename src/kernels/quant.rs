@@ -2,7 +2,8 @@
 //! them, reading them back, and the portable reference matmul the SIMD versions are tested against.
 //!
 //! A quantized matmul first quantizes its activations per block, into the 8-bit companion format the
-//! weight format is paired with (Q8_0 for Q8_0/Q4_0/Q5_0, Q8_1 for Q5_1, Q8_K for the k-quants), so that
+//! weight format is paired with (Q8_0 for Q8_0/Q4_0/Q5_0/IQ4_NL, Q8_1 for Q5_1, Q8_K for the k-quants and
+//! IQ4_XS), so that
 //! every product inside a block is an exact integer; only the per-block scaling is floating point. Each
 //! output element is then one fixed sequence of operations over its weight row and activation row,
 //! whatever the number of rows or threads: row `i` of a 16-row verify equals the same row alone.
@@ -34,7 +35,15 @@ pub enum QType {
     Q5_K,
     /// 256 6-bit values in 16 sub-blocks with 8-bit scales: 6.5625 bits.
     Q6_K,
+    /// 32 4-bit indices into a fixed table of 16 non-uniform int8 levels ([`IQ4_VALUES`]) and an f16
+    /// scale: 4.5 bits.
+    IQ4_NL,
+    /// 256 4-bit indices into the same table in 8 sub-blocks of 32 with 6-bit signed scales: 4.25 bits.
+    IQ4_XS,
 }
+
+/// The levels of IQ4_NL / IQ4_XS (ggml's `kvalues_iq4nl`), indexed by the stored nibble.
+pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 /// The 8-bit format a weight format's activations are quantized into.
 #[allow(non_camel_case_types)]
@@ -49,8 +58,17 @@ pub enum ActKind {
 }
 
 impl QType {
-    pub const ALL: [QType; 7] =
-        [QType::Q8_0, QType::Q4_0, QType::Q5_0, QType::Q5_1, QType::Q4_K, QType::Q5_K, QType::Q6_K];
+    pub const ALL: [QType; 9] = [
+        QType::Q8_0,
+        QType::Q4_0,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::Q4_K,
+        QType::Q5_K,
+        QType::Q6_K,
+        QType::IQ4_NL,
+        QType::IQ4_XS,
+    ];
 
     /// GGUF's name (`ggml_type_name`).
     pub fn name(self) -> &'static str {
@@ -62,6 +80,8 @@ impl QType {
             QType::Q4_K => "Q4_K",
             QType::Q5_K => "Q5_K",
             QType::Q6_K => "Q6_K",
+            QType::IQ4_NL => "IQ4_NL",
+            QType::IQ4_XS => "IQ4_XS",
         }
     }
 
@@ -75,6 +95,8 @@ impl QType {
             QType::Q4_K => 12,
             QType::Q5_K => 13,
             QType::Q6_K => 14,
+            QType::IQ4_NL => 20,
+            QType::IQ4_XS => 23,
         }
     }
 
@@ -85,8 +107,8 @@ impl QType {
     /// Weights per block.
     pub fn block_elems(self) -> usize {
         match self {
-            QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::Q5_1 => 32,
-            QType::Q4_K | QType::Q5_K | QType::Q6_K => QK_K,
+            QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => 32,
+            QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::IQ4_XS => QK_K,
         }
     }
 
@@ -100,6 +122,8 @@ impl QType {
             QType::Q4_K => 144,
             QType::Q5_K => 176,
             QType::Q6_K => 210,
+            QType::IQ4_NL => 18,
+            QType::IQ4_XS => 136,
         }
     }
 
@@ -110,9 +134,9 @@ impl QType {
 
     pub fn act(self) -> ActKind {
         match self {
-            QType::Q8_0 | QType::Q4_0 | QType::Q5_0 => ActKind::Q8_0,
+            QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => ActKind::Q8_0,
             QType::Q5_1 => ActKind::Q8_1,
-            QType::Q4_K | QType::Q5_K | QType::Q6_K => ActKind::Q8_K,
+            QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::IQ4_XS => ActKind::Q8_K,
         }
     }
 }
@@ -199,6 +223,7 @@ pub fn quantize_row(q: QType, x: &[f32], out: &mut [u8]) {
             QType::Q4_K => quantize_qk_min(xb, ob, 15),
             QType::Q5_K => quantize_qk_min(xb, ob, 31),
             QType::Q6_K => quantize_q6_k(xb, ob),
+            QType::IQ4_NL | QType::IQ4_XS => quantize_iq4(xb, ob),
         }
     }
 }
@@ -531,6 +556,125 @@ fn quantize_q6_k(x: &[f32], o: &mut [u8]) {
     }
 }
 
+/// The index of the IQ4 level nearest `x` (the lower one on a tie; the end levels beyond the table).
+fn iq4_index(x: f32) -> u8 {
+    let v = &IQ4_VALUES;
+    if x <= v[0] as f32 {
+        return 0;
+    }
+    if x >= v[15] as f32 {
+        return 15;
+    }
+    // Bisect for neighbours lo < hi with v[lo] <= x < v[hi].
+    let (mut lo, mut hi) = (0usize, 15usize);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if x < v[mid] as f32 {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    if x - (v[lo] as f32) < (v[hi] as f32) - x {
+        lo as u8
+    } else {
+        hi as u8
+    }
+}
+
+/// The scale of one group of 32 for IQ4 levels (weights `x²`): the plain scale from the value of largest
+/// magnitude refined by least squares, then the best of 15 trial inverse scales around it. Zero for an
+/// all-zero group.
+fn fit_scale_iq4(x: &[f32]) -> f32 {
+    let v0 = IQ4_VALUES[0] as f32;
+    let max = signed_max(x);
+    if max.abs() < GROUP_MAX_EPS {
+        return 0.0;
+    }
+    let sums = |iscale: f32| {
+        let (mut sumqx, mut sumq2) = (0f32, 0f32);
+        for &v in x {
+            let q = IQ4_VALUES[iq4_index(iscale * v) as usize] as f32;
+            let w = v * v;
+            sumqx += w * q * v;
+            sumq2 += w * q * q;
+        }
+        (sumqx, sumq2)
+    };
+    let (sumqx, sumq2) = sums(1.0 / (-max / v0));
+    let mut d = if sumq2 > 0.0 { sumqx / sumq2 } else { 0.0 };
+    let mut best = d * sumqx;
+    for t in -7..=7 {
+        let (sumqx, sumq2) = sums((t + IQ4_VALUES[0] as i32) as f32 / max);
+        if sumq2 > 0.0 && sumqx * sumqx > best * sumq2 {
+            d = sumqx / sumq2;
+            best = d * sumqx;
+        }
+    }
+    d
+}
+
+/// IQ4_NL (a block of 32) and IQ4_XS (a super-block of 256: 8 groups of 32 whose scales are stored as
+/// 6-bit multiples, offset 32, of the super-block's f16 `d`).
+fn quantize_iq4(x: &[f32], o: &mut [u8]) {
+    let mut levels = [0u8; QK_K];
+    let n = x.len();
+    let qs_at = if n == 32 {
+        let d = fit_scale_iq4(x);
+        put_f16(o, 0, d);
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        for (l, &v) in levels.iter_mut().zip(x) {
+            *l = iq4_index(id * v);
+        }
+        2
+    } else {
+        let mut scales = [0f32; 8];
+        let (mut max_scale, mut amax_scale) = (0f32, 0f32);
+        for (g, s) in scales.iter_mut().enumerate() {
+            *s = fit_scale_iq4(&x[32 * g..32 * g + 32]);
+            if s.abs() > amax_scale {
+                amax_scale = s.abs();
+                max_scale = *s;
+            }
+        }
+        // The group levels are chosen with the unrounded super-block scale, as llama.cpp does.
+        let d = -max_scale / 32.0;
+        put_f16(o, 0, d);
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut scales_h = 0u16;
+        for (g, &s) in scales.iter().enumerate() {
+            let l = nearest_int(id * s).clamp(-32, 31);
+            let dl = d * l as f32;
+            let idl = if dl != 0.0 { 1.0 / dl } else { 0.0 };
+            for i in 32 * g..32 * g + 32 {
+                levels[i] = iq4_index(idl * x[i]);
+            }
+            let l = (l + 32) as u8;
+            o[4 + g / 2] |= (l & 0x0f) << (4 * (g % 2));
+            scales_h |= ((l >> 4) as u16) << (2 * g);
+        }
+        o[2..4].copy_from_slice(&scales_h.to_le_bytes());
+        8
+    };
+    for (g, qs) in o[qs_at..].chunks_exact_mut(16).enumerate() {
+        for (j, b) in qs.iter_mut().enumerate() {
+            *b = levels[32 * g + j] | (levels[32 * g + 16 + j] << 4);
+        }
+    }
+}
+
+/// The eight 6-bit scales (offset 32 kept) of an IQ4_XS super-block `b`, byte `j` for sub-block `j`.
+#[inline]
+pub(crate) fn iq4xs_scales(b: &[u8]) -> u64 {
+    let h = u16::from_le_bytes([b[2], b[3]]) as u64;
+    let mut out = 0u64;
+    for j in 0..8 {
+        let lo = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
+        out |= ((lo as u64) | (((h >> (2 * j)) & 3) << 4)) << (8 * j);
+    }
+    out
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Reading weights back
 
@@ -539,7 +683,10 @@ fn quantize_q6_k(x: &[f32], o: &mut [u8]) {
 /// - Q8_0/Q4_0/Q5_0: `q` signed (offset removed), value = `d · q`;
 /// - Q5_1: `q` unsigned, value = `d · q + m`;
 /// - Q4_K/Q5_K: `q` unsigned, value = `d · sc[j] · q − dmin · mn[j]` for sub-block `j` of 32;
-/// - Q6_K: `q` signed (offset 32 removed), value = `d · sc[g] · q` for group `g` of 16.
+/// - Q6_K: `q` signed (offset 32 removed), value = `d · sc[g] · q` for group `g` of 16;
+/// - IQ4_NL: `q` the table's levels, value = `d · q`;
+/// - IQ4_XS: `q` the table's levels, value = `d · sc[j] · q` for sub-block `j` of 32 (`sc` offset 32
+///   removed).
 pub(crate) struct Unpacked {
     pub q: [i8; QK_K],
     pub d: f32,
@@ -620,6 +767,24 @@ pub(crate) fn unpack(qt: QType, b: &[u8], u: &mut Unpacked) {
                 }
             }
         }
+        QType::IQ4_NL | QType::IQ4_XS => {
+            u.d = f16_at(b, 0);
+            let qs = if qt == QType::IQ4_NL {
+                &b[2..18]
+            } else {
+                let sc = iq4xs_scales(b);
+                for j in 0..8 {
+                    u.sc[j] = ((sc >> (8 * j)) & 0x3f) as i16 - 32;
+                }
+                &b[8..136]
+            };
+            for (g, bytes) in qs.chunks_exact(16).enumerate() {
+                for (j, &v) in bytes.iter().enumerate() {
+                    u.q[32 * g + j] = IQ4_VALUES[(v & 0x0f) as usize];
+                    u.q[32 * g + 16 + j] = IQ4_VALUES[(v >> 4) as usize];
+                }
+            }
+        }
     }
 }
 
@@ -633,10 +798,11 @@ pub fn dequantize_row(qt: QType, data: &[u8], out: &mut [f32]) {
         for (i, v) in o.iter_mut().enumerate() {
             let q = u.q[i] as f32;
             *v = match qt {
-                QType::Q8_0 | QType::Q4_0 | QType::Q5_0 => u.d * q,
+                QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => u.d * q,
                 QType::Q5_1 => u.d * q + u.m,
                 QType::Q4_K | QType::Q5_K => (u.d * u.sc[i / 32] as f32) * q - u.m * u.mn[i / 32] as f32,
                 QType::Q6_K => (u.d * u.sc[i / 16] as f32) * q,
+                QType::IQ4_XS => (u.d * u.sc[i / 32] as f32) * q,
             };
         }
     }
@@ -761,7 +927,7 @@ fn block_term(qt: QType, u: &Unpacked, a: &QActs, r: usize, bi: usize) -> f32 {
         u.q[lo..lo + n].iter().zip(&x[lo..lo + n]).map(|(&q, &v)| q as i32 * v as i32).sum()
     };
     match qt {
-        QType::Q8_0 | QType::Q4_0 | QType::Q5_0 => (u.d * xd) * isum(0, 32) as f32,
+        QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => (u.d * xd) * isum(0, 32) as f32,
         QType::Q5_1 => (u.d * xd) * isum(0, 32) as f32 + u.m * a.s[r * a.blocks() + bi],
         QType::Q4_K | QType::Q5_K => {
             let bs = &a.bsums[(r * a.blocks() + bi) * 16..][..16];
@@ -774,6 +940,10 @@ fn block_term(qt: QType, u: &Unpacked, a: &QActs, r: usize, bi: usize) -> f32 {
         }
         QType::Q6_K => {
             let qsum: i32 = (0..16).map(|g| u.sc[g] as i32 * isum(16 * g, 16)).sum();
+            (u.d * xd) * qsum as f32
+        }
+        QType::IQ4_XS => {
+            let qsum: i32 = (0..8).map(|j| u.sc[j] as i32 * isum(32 * j, 32)).sum();
             (u.d * xd) * qsum as f32
         }
     }

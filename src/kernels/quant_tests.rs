@@ -23,7 +23,7 @@ fn random_blocks(rng: &mut Rng, qt: QType, rows: usize, cols: usize) -> Vec<u8> 
     let rb = qt.row_bytes(cols).unwrap();
     let mut data: Vec<u8> = (0..rows * rb).map(|_| rng.next() as u8).collect();
     let f16_at: &[usize] = match qt {
-        QType::Q8_0 | QType::Q4_0 | QType::Q5_0 => &[0],
+        QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL | QType::IQ4_XS => &[0],
         QType::Q5_1 | QType::Q4_K | QType::Q5_K => &[0, 2],
         QType::Q6_K => &[208],
     };
@@ -56,10 +56,11 @@ fn abs_bound(qt: QType, w: &[u8], a: &QActs, r: usize) -> f64 {
             let q = u.q[i] as f64;
             let (d, m) = (u.d as f64, u.m as f64);
             let (s, mn) = match qt {
-                QType::Q8_0 | QType::Q4_0 | QType::Q5_0 => (d * q, 0.0),
+                QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => (d * q, 0.0),
                 QType::Q5_1 => (d * q, m),
                 QType::Q4_K | QType::Q5_K => (d * u.sc[i / 32] as f64 * q, m * u.mn[i / 32] as f64),
                 QType::Q6_K => (d * u.sc[i / 16] as f64 * q, 0.0),
+                QType::IQ4_XS => (d * u.sc[i / 32] as f64 * q, 0.0),
             };
             total += (s.abs() + mn.abs()) * x;
         }
@@ -273,6 +274,9 @@ fn dequantized_error_bounds() {
                 QType::Q4_K => 2.5 * amax / 15.0,
                 QType::Q5_K => 2.5 * amax / 31.0,
                 QType::Q6_K => 2.5 * amax / 31.0,
+                // Non-uniform levels (steps up to 24 of 240 around the largest); IQ4_XS's scales on 6 bits.
+                QType::IQ4_NL => 0.12 * amax + amax * 2e-3,
+                QType::IQ4_XS => 2.5 * amax / 15.0,
             };
             assert!(max_err <= bound, "{qt} block {bi}: max error {max_err} > {bound}");
         }
@@ -288,6 +292,10 @@ fn dequantized_error_bounds() {
     assert!(r(QType::Q4_K) > r(QType::Q5_K) && r(QType::Q5_K) > r(QType::Q6_K), "{rmse:?}");
     assert!(r(QType::Q6_K) > r(QType::Q8_0), "{rmse:?}");
     assert!(r(QType::Q4_K) < 0.045 && r(QType::Q6_K) < 0.012, "{rmse:?}");
+    // The non-linear 4-bit formats: about Q4_0's error on uniform data (their levels suit bell-shaped
+    // weights better), and well below Q4_0's bound.
+    assert!(r(QType::IQ4_NL) < 0.045 && r(QType::IQ4_XS) < 0.045, "{rmse:?}");
+    assert!(r(QType::IQ4_NL) > r(QType::Q5_0) && r(QType::IQ4_XS) > r(QType::Q5_K), "{rmse:?}");
 }
 
 /// The activation quantizers: levels within ±127, and dequantized within half a step of the input.
@@ -377,6 +385,56 @@ fn avx512_vnni_kernels_direct() {
                     }
                 }
             }
+        }
+    }
+}
+
+/// IQ4 details the goldens may not reach: an all-zero group takes level index 8 (the table's 1, nearest
+/// 0) and scale 0; IQ4_XS's all-zero super-block has `d = −0` (llama.cpp's `−max/32`) and every 6-bit
+/// scale at its offset, 32; and reading back gives `d · T[q]` from the right nibbles.
+#[test]
+fn iq4_layouts() {
+    let mut b = vec![0u8; 18];
+    quantize_row(QType::IQ4_NL, &[0.0; 32], &mut b);
+    assert_eq!(b[..2], [0, 0]);
+    assert!(b[2..].iter().all(|&v| v == 0x88));
+    let mut b = vec![0u8; 136];
+    quantize_row(QType::IQ4_XS, &[0.0; 256], &mut b);
+    assert_eq!(b[..8], [0x00, 0x80, 0xaa, 0xaa, 0, 0, 0, 0]);
+    assert!(b[8..].iter().all(|&v| v == 0x88));
+
+    // One IQ4_NL block: d = 0.5, byte j holds index j % 16 (weight j) and 15 - j % 16 (weight j + 16).
+    let mut b = vec![0u8; 18];
+    b[..2].copy_from_slice(&half::f16::from_f32(0.5).to_bits().to_le_bytes());
+    for j in 0..16 {
+        b[2 + j] = (j as u8) | ((15 - j as u8) << 4);
+    }
+    let mut y = [0f32; 32];
+    dequantize_row(QType::IQ4_NL, &b, &mut y);
+    for j in 0..16 {
+        assert_eq!(y[j], 0.5 * quant::IQ4_VALUES[j] as f32);
+        assert_eq!(y[j + 16], 0.5 * quant::IQ4_VALUES[15 - j] as f32);
+    }
+    // IQ4_XS: d = 0.25, sub-block j's scale ls = 32 + j − 4 (so scales −4..3), spread over scales_l / scales_h.
+    let mut b = vec![0u8; 136];
+    b[..2].copy_from_slice(&half::f16::from_f32(0.25).to_bits().to_le_bytes());
+    let mut h = 0u16;
+    for j in 0..8 {
+        let ls = (32 + j - 4) as u8;
+        b[4 + j / 2] |= (ls & 0x0f) << (4 * (j % 2));
+        h |= ((ls >> 4) as u16) << (2 * j);
+    }
+    b[2..4].copy_from_slice(&h.to_le_bytes());
+    for (i, v) in b[8..].iter_mut().enumerate() {
+        *v = (i % 16) as u8 | (((i / 16) as u8 % 16) << 4);
+    }
+    let mut y = [0f32; 256];
+    dequantize_row(QType::IQ4_XS, &b, &mut y);
+    for j in 0..8 {
+        let dl = 0.25 * (j as f32 - 4.0);
+        for i in 0..16 {
+            assert_eq!(y[32 * j + i], dl * quant::IQ4_VALUES[i] as f32, "sub-block {j} weight {i}");
+            assert_eq!(y[32 * j + 16 + i], dl * quant::IQ4_VALUES[j] as f32, "sub-block {j} weight {}", 16 + i);
         }
     }
 }
