@@ -43,9 +43,9 @@ unused ids below 107 are ``<unusedN>``. The 256 byte tokens follow, then the lea
 Target
 ------
 Gemma 4 text architecture at small scale, built and trained with transformers' own
-``Gemma4ForCausalLM``: hidden 384, 6 layers ``[S,S,F] x 2`` (sliding window 128, proportional
+``Gemma4ForCausalLM``: hidden 384, 6 layers ``[S,S,S,F,S,F]`` (sliding window 128, proportional
 RoPE with partial factor 0.25 on the full layers), 6 query heads of 64 (sliding) / 128 (full)
-dims and one KV head, MLP 1536, the last 2 layers reuse the K/V of layers 3 (S) and 2 (F),
+dims and one KV head, MLP 1536, the last 2 layers (S, F) reuse the K/V of layers 2 (S) and 3 (F),
 per-layer embeddings of width 16, final-logit softcap 30, tied embeddings. (The per-layer
 embeddings are not just for coverage: transformers 5.23.0 crashes in
 ``_maybe_slice_kv_shared_inputs`` when KV sharing is on and PLE is off.) Next-token cross-entropy,
@@ -160,7 +160,10 @@ TARGET_TEXT = {
     "hidden_size": 384,
     "intermediate_size": 1536,
     "num_hidden_layers": 6,
-    "layer_types": [S, S, F, S, S, F],
+    # The last two unshared layers are sliding then full, so each reuse layer's source is
+    # first_shared - 2 (S) / first_shared - 1 (F): the layout llama.cpp assumes for K/V sharing
+    # (it does not read the source layer; [S,S,F,S,S,F] would be computed wrongly there).
+    "layer_types": [S, S, S, F, S, F],
     "num_attention_heads": 6,
     "num_key_value_heads": 1,
     "head_dim": 64,
