@@ -116,6 +116,19 @@ fn rope_freqs(c: &TextConfig) -> Option<(String, Vec<u64>, GgmlType, Vec<u8>)> {
     Some(("rope_freqs.weight".into(), vec![(d / 2) as u64], GgmlType::F32, v))
 }
 
+/// A 1-D float tensor (norms, scales) as F32, as llama.cpp's converter writes them: its CPU backend does not
+/// multiply f32 activations by bf16 vectors. Exact (f16 and bf16 values are f32 values), and tandem reads
+/// vectors as f32 anyway, so the file computes the same in both engines.
+fn widen_vector(t: &Tensor) -> Tensor {
+    match t.dtype {
+        StoredDtype::Float(d) if t.shape.len() <= 1 && d != DType::F32 => {
+            let bytes = (0..t.numel()).flat_map(|i| d.load(t.bytes(), i).to_le_bytes()).collect();
+            Tensor::owned(&t.name, DType::F32, t.shape.clone(), bytes)
+        }
+        _ => t.clone(),
+    }
+}
+
 /// Every tensor of `store` under its GGUF name. With `text_prefix`, `rename` gets names below the store's
 /// text-model prefix and tensors outside it (other modalities) are left out; `lm_head.weight` is top-level.
 fn tensors(
@@ -139,7 +152,7 @@ fn tensors(
         }
         let gguf =
             rename(short).ok_or_else(|| anyhow!("tensor `{full}` has no place in llama.cpp's Gemma 4 layout"))?;
-        out.push((gguf, store.get_full(full).expect("listed").clone()));
+        out.push((gguf, widen_vector(store.get_full(full).expect("listed"))));
     }
     Ok(out)
 }
