@@ -707,7 +707,8 @@ fn serve_command_refuses_bad_options() {
         (&["--kv-memory", "-1G"], "--kv-memory"),
         (&["--draft-tokens", "99"], "--draft-tokens"),
         (&["--served-model-name", " "], "--served-model-name must not be empty"),
-        (&["--model", "/nonexistent/model"], "is not a model directory"),
+        (&["--model", "/nonexistent/model"], "model /nonexistent/model does not exist"),
+        (&["--model", "/etc/passwd"], "is not a model directory (no config.json), nor a GGUF file"),
         (&["--host", "not a host", "--port", "0"], "cannot listen on"),
         (&["--cors", "bad\norigin", "--port", "0"], "--cors"),
     ];

@@ -181,8 +181,11 @@ impl ServeArgs {
     pub fn config(&self) -> Result<ServerConfig> {
         let shipped = crate::bench::default_model_dir();
         let model = self.model.clone().unwrap_or_else(|| shipped.join("target"));
+        if !crate::files::exists(&model) {
+            bail!("model {} does not exist", model.display());
+        }
         if !model.join("config.json").is_file() && !crate::gguf::is_gguf(&model) {
-            bail!("{} is neither a model directory (no config.json) nor a GGUF file", model.display());
+            bail!("{} is not a model directory (no config.json), nor a GGUF file", model.display());
         }
         let assistant = match (&self.assistant, &self.model) {
             (Some(a), _) => Some(a.clone()),
