@@ -393,12 +393,14 @@ fn open_session(
     };
     if let TextNeed::Required(what) = need {
         if !has_tokenizer(&model_dir) {
-            if !model_dir.join("config.json").is_file() {
+            let gguf = tandem::gguf::is_gguf(&model_dir);
+            if !gguf && !model_dir.join("config.json").is_file() {
                 TargetModel::load(&model_dir)?; // not a model directory at all: say that
             }
             let hint =
                 if what.starts_with("text prompts") || what.starts_with("--chat") { "; use --prompt-ids" } else { "" };
-            bail!("{what} a tokenizer: {} has no {TOKENIZER_FILE}{hint}", model_dir.display());
+            let missing = if gguf { "tokenizer metadata (tokenizer.ggml.tokens)" } else { TOKENIZER_FILE };
+            bail!("{what} a tokenizer: {} has no {missing}{hint}", model_dir.display());
         }
     }
     let model = TargetModel::load_with(&model_dir, quant.recipe, |l| say!("{l}"))?;

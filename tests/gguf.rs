@@ -259,6 +259,9 @@ fn quantize_command_writes_a_gguf_that_runs_like_quantizing_on_load() {
         tandem_cli(&["quantize", "--model", fixture_dir("t5-e2b").to_str().unwrap(), "--out", out.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("warning: llama.cpp will compute this model wrongly"), "{err}");
+    // That fixture has no tokenizer, so neither has its file: text needs one.
+    let (code, _, err) = tandem_cli(&["generate", "--model", out.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(code == 1 && err.contains("has no tokenizer metadata (tokenizer.ggml.tokens); use --prompt-ids"), "{err}");
 
     // Quantized files are not quantized again; the output is not the input; --quantize-assistant is refused.
     let q = gguf_fixture("t1-f32-q8_0.gguf");
