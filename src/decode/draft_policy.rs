@@ -149,6 +149,14 @@ impl AutoDraft {
         Some(old.map_or(new, |o| 0.8 * o + 0.2 * new))
     }
 
+    /// The most drafts worth trying next: one past the deepest position ever reached. Drafts deepen one
+    /// position per round as they are accepted, and a drafter whose first draft is never accepted costs
+    /// one draft per round while the evidence builds up, not the several that the prior's one half
+    /// would suggest for the deeper positions.
+    pub fn depth_cap(&self) -> usize {
+        1 + self.accept.iter().take_while(|a| a.1 > 0.0).count()
+    }
+
     /// Estimated acceptance rate of each position given that it is reached.
     pub fn rates(&self) -> [f64; AUTO_MAX_DRAFT] {
         let mut out = [0.0; AUTO_MAX_DRAFT];
@@ -176,12 +184,13 @@ impl AutoDraft {
     /// The k in 0..=k_max with the best expected tokens per second. Drafting at all must beat plain steps
     /// by a clear margin, so timing noise alone never keeps a useless drafter running.
     fn choose(&mut self, k_max: usize) -> usize {
-        // First measure a plain step, then a short drafting round.
+        // First measure a plain step, then a round of one draft.
         if self.verify_s[1].is_none() {
             return 0;
         }
+        let k_max = k_max.min(self.depth_cap());
         let Some(step) = self.draft_step_s else {
-            return k_max.min(2);
+            return k_max;
         };
         let rates = self.rates();
         let mut best = (0usize, 0f64);
@@ -260,6 +269,26 @@ mod tests {
         let ks = simulate(300, |_| false, |_| 0.010, 0.0);
         let drafting = ks[20..].iter().filter(|&&k| k > 0).count();
         assert!(drafting <= 10, "still drafting in {drafting} of 280 rounds: {ks:?}");
+    }
+
+    #[test]
+    fn a_useless_drafter_costs_few_drafts_in_a_short_reply() {
+        // A cheap draft step (10 % of a plain step) and nearly free verify rows: the prior alone must not
+        // buy several deep drafting rounds before the misses add up.
+        let ks = simulate(64, |_| false, |r| 0.010 * (1.0 + 0.02 * (r - 1) as f64), 0.001);
+        let drafted: usize = ks.iter().sum();
+        assert!(ks.iter().all(|&k| k <= 1) && drafted <= 10, "{drafted} drafts: {ks:?}");
+    }
+
+    #[test]
+    fn drafts_deepen_one_position_per_round() {
+        let ks = simulate(20, |_| true, |r| 0.010 * (1.0 + 0.02 * (r - 1) as f64), 0.0003);
+        let mut deepest = 0;
+        for &k in &ks {
+            assert!(k <= deepest + 1, "{ks:?}");
+            deepest = deepest.max(k);
+        }
+        assert!(deepest >= 6, "{ks:?}");
     }
 
     #[test]

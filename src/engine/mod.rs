@@ -637,9 +637,10 @@ impl<'m> Scheduler<'m> {
             .iter()
             .map(|&i| {
                 let a = &self.active[i];
+                let auto = a.policy.as_ref().and_then(|p| p.auto());
                 plan::Candidate {
-                    rates: a.policy.as_ref().and_then(|p| p.auto()).map_or([0.0; AUTO_MAX_DRAFT], |p| p.rates()),
-                    k_max: a.seq.draft_room(AUTO_MAX_DRAFT),
+                    rates: auto.map_or([0.0; AUTO_MAX_DRAFT], |p| p.rates()),
+                    k_max: a.seq.draft_room(auto.map_or(AUTO_MAX_DRAFT, |p| p.depth_cap())),
                     probe: a.idle_rounds >= PROBE_IDLE_EVERY,
                 }
             })
