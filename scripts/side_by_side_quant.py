@@ -4,11 +4,13 @@ source (llama.cpp: `llama-quantize` files written by the kit's convert.sh; tande
 
 usage: python3 scripts/side_by_side_quant.py TANDEM_BIN [--reps 3] [--formats q8_0,q4_k_m] [--no-drafting] [--gguf] [--out FILE.json]
 env:   A (the kit's directory, default ~/anchors) holding e2b10/, e2b10-assistant/, gguf/e2b10-{bf16,q8_0,q4_k_m}.gguf,
-       build/bin/ and prompt128.txt
+       build/ (llama.cpp's build: bin/ and the static libraries llama_rows links) and prompt128.txt;
+       LLAMA_SRC: llama.cpp's source (default: the kit's copy under $A/src)
 
 Per repetition and format, in this order (so drift of the shared machine hits both engines alike):
-  llama-completion plain, tandem --no-draft, llama-bench -p 1,5 -d 128 (5 rows vs 1 at depth 128),
-  tandem bench --model e2b10 --rows 5, llama-speculative-simple with the bf16 drafter (draft-mtp, k=4),
+  llama-completion plain, tandem --no-draft, llama_rows (scripts/side_by_side/llama_rows.cpp: 1 and 5 new
+  rows at depth 128 with logits for every row, as verification needs them and as tandem's bench measures,
+  and with the last row's only, as llama-bench -p 5 -d 128 measures), tandem bench --model e2b10 --rows 5, llama-speculative-simple with the bf16 drafter (draft-mtp, k=4),
   tandem --draft-tokens 4 and auto (random weights: drafts are almost never accepted, so these measure
   what drafting costs when it does not pay; `--no-drafting` leaves these three out). Summarise with scripts/side_by_side_summary.py --quant.
 `--gguf`: tandem runs llama.cpp's own GGUF files too (target e2b10-FORMAT.gguf, drafter e2b10-assistant-bf16.gguf,
@@ -17,7 +19,7 @@ may then include bf16.
 Run it on an otherwise idle machine, or under `chrt -f 10`: llama.cpp's spinning threads collapse when
 anything else wants a core.
 """
-import json, os, re, subprocess, sys, time
+import glob, json, os, re, subprocess, sys, tempfile, time
 
 A = os.environ.get("A", os.path.expanduser("~/anchors"))
 B, G = f"{A}/build/bin", f"{A}/gguf"
@@ -84,14 +86,29 @@ def tandem_gen(fmt, extra):
                 drafted=s.get("drafted_tokens"), accepted=s.get("accepted_tokens"))
 
 
+def build_llama_rows():
+    src = os.environ.get("LLAMA_SRC") or next(iter(glob.glob(f"{A}/src/llama_cpp_python-*/vendor/llama.cpp")), None)
+    if not src:
+        sys.exit(f"no llama.cpp source under {A}/src: set LLAMA_SRC")
+    here = os.path.dirname(os.path.abspath(__file__))
+    exe = os.path.join(tempfile.mkdtemp(), "llama_rows")
+    libs = [f"{A}/build/src/libllama.a"] + [f"{A}/build/ggml/src/libggml{x}.a" for x in ("", "-cpu", "-base")]
+    subprocess.run(["g++", "-O2", "-std=c++17", f"-I{src}/include", f"-I{src}/ggml/include",
+                    f"{here}/side_by_side/llama_rows.cpp", "-o", exe, *libs, "-fopenmp", "-lpthread", "-ldl"], check=True)
+    return exe
+
+
+LLAMA_ROWS = build_llama_rows()
+
+
 def llama_rows(fmt):
-    p = run([f"{B}/llama-bench", "-m", f"{G}/e2b10-{fmt}.gguf", "-p", "1,5", "-n", "0", "-d", "128", "-t", "2",
-             "-r", "3", "-o", "json"])
+    p = run([LLAMA_ROWS, f"{G}/e2b10-{fmt}.gguf", "2", "128", "1,5", "5"])
     try:
-        rows = {r["n_prompt"]: r["avg_ns"] / 1e6 for r in json.loads(p.stdout)}
-        return dict(ms1=rows[1], ms5=rows[5], ratio=rows[5] / rows[1])
+        r = json.loads(p.stdout)
+        a, l = r["all"], r["last"]
+        return dict(ms1=a["1"], ms5=a["5"], ratio_all=a["5"] / a["1"], ms5_last=l["5"], ratio_last=l["5"] / l["1"])
     except (ValueError, KeyError):
-        return dict(ratio=None)
+        return dict(ratio_all=None)
 
 
 def tandem_rows(fmt):

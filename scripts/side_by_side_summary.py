@@ -58,7 +58,10 @@ for f in [k.split()[1] for k in R if k.startswith("tandem ") and k.endswith(" ro
         (f"tandem {f} decode tok/s", col(f"tandem {f} plain", "decode")),
         (f"tandem / llama.cpp {f} decode, pairwise", ratios(col(f"tandem {f} plain", "decode"), col(f"llama {f} plain", "decode"))),
         (f"tandem / llama.cpp {f} prefill, pairwise", ratios(col(f"tandem {f} plain", "prefill"), col(f"llama {f} plain", "prefill"))),
-        (f"llama-bench {f} 5 rows / 1 row", col(f"llama {f} rows", "ratio")),
+        (f"llama.cpp {f} 5 rows / 1 row, all logits", col(f"llama {f} rows", "ratio_all")),
+        # Older runs measured with llama-bench -p 1,5 (a prompt batch: the last row's logits only).
+        (f"llama.cpp {f} 5 rows / 1 row, last logits",
+         col(f"llama {f} rows", "ratio_last") + [x for x in col(f"llama {f} rows", "ratio")]),
         (f"tandem {f} 5 rows / 1 row", col(f"tandem {f} rows", "ratio")),
         (f"llama.cpp {f} k=4 / plain, pairwise", ratios(col(f"llama {f} mtp k4", "decode"), col(f"llama {f} plain", "decode"))),
         (f"tandem {f} k=4 / plain, pairwise", ratios(col(f"tandem {f} mtp k4", "decode"), col(f"tandem {f} plain", "decode"))),
