@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 
 use super::file::{GgufModel, MetaValue};
 use super::{export, gemma4, vocab, write};
-use crate::config::{KvMode, LayerType, TextConfig};
+use crate::config::{AssistantConfig, KvMode, LayerType, TextConfig};
 use crate::quantize::Recipe;
 use crate::weights::WeightStore;
 
@@ -52,6 +52,44 @@ pub struct Written {
     pub warnings: Vec<String>,
 }
 
+/// What `convert` writes: a target or an assistant, by its configuration.
+enum Config {
+    Target(TextConfig),
+    Assistant(AssistantConfig),
+}
+
+/// The tokenizer as GGUF metadata keys.
+type TokenizerMeta = Vec<(String, MetaValue)>;
+
+/// A checkpoint directory or a GGUF file opened for writing: its configuration, its tensors (kept as
+/// their float type when `recipe` will quantize them) and its tokenizer as GGUF metadata.
+fn open(model: &Path, recipe: Option<Recipe>) -> Result<(Config, WeightStore, TokenizerMeta)> {
+    if super::is_gguf(model) {
+        let m = GgufModel::open(model, recipe.is_some())?;
+        if let Some(r) = recipe {
+            gemma4::refuse_requantize(&m, r)?;
+        }
+        let tok =
+            m.meta().iter().filter(|(k, _)| k.starts_with("tokenizer.")).map(|(k, v)| (k.clone(), v.clone())).collect();
+        return Ok(if gemma4::is_assistant(&m)? {
+            (Config::Assistant(gemma4::assistant_config(&m)?), gemma4::assistant_store(&m)?, tok)
+        } else {
+            (Config::Target(gemma4::target_config(&m)?), gemma4::target_store(&m)?, tok)
+        });
+    }
+    crate::files::require_dir(model, "model")?;
+    let json = crate::config::read_json(&model.join("config.json"))?;
+    let is_assistant = json.get("model_type").and_then(|v| v.as_str()).is_some_and(|t| t.contains("assistant"));
+    let store = WeightStore::open_with(model, recipe.is_some())?;
+    let tok = vocab::tokenizer_meta(model)?.unwrap_or_default();
+    let config = if is_assistant {
+        Config::Assistant(crate::config::load_assistant_config(model)?)
+    } else {
+        Config::Target(crate::config::load_model_config(model)?.text)
+    };
+    Ok((config, store, tok))
+}
+
 /// Write `model` to `out` as GGUF, quantized with `recipe` when given; `say` gets the quantization summary.
 pub fn convert(model: &Path, out: &Path, recipe: Option<Recipe>, mut say: impl FnMut(String)) -> Result<Written> {
     let t0 = Instant::now();
@@ -60,52 +98,22 @@ pub fn convert(model: &Path, out: &Path, recipe: Option<Recipe>, mut say: impl F
     }
     let mut warnings = Vec::new();
     let name = model.file_stem().and_then(|s| s.to_str()).unwrap_or("model").to_string();
-    let (mut ex, tokenizer, float) = if super::is_gguf(model) {
-        let m = GgufModel::open(model, recipe.is_some())?;
-        if let Some(r) = recipe {
-            gemma4::refuse_requantize(&m, r)?;
-        }
-        let tok: Vec<(String, MetaValue)> =
-            m.meta().iter().filter(|(k, _)| k.starts_with("tokenizer.")).map(|(k, v)| (k.clone(), v.clone())).collect();
-        if gemma4::is_assistant(&m)? {
-            let cfg = gemma4::assistant_config(&m)?;
-            let mut store = gemma4::assistant_store(&m)?;
+    let (config, mut store, tokenizer) = open(model, recipe)?;
+    let (mut ex, float) = match &config {
+        Config::Assistant(cfg) => {
             if let Some(r) = recipe {
-                say(crate::model::assistant::quantize_assistant(&mut store, &cfg, r)?);
+                say(crate::model::assistant::quantize_assistant(&mut store, cfg, r)?);
             }
             let float = store.get_full("model.embed_tokens.weight").map(|t| t.compute_dtype()).transpose()?;
-            (export::assistant(&cfg, &store, &name)?, tok, float)
-        } else {
-            let cfg = gemma4::target_config(&m)?;
-            let mut store = gemma4::target_store(&m)?;
-            if let Some(r) = recipe {
-                say(crate::model::target::quantize_target(&mut store, &cfg, r)?);
-            }
-            warnings.extend(llama_cpp_misreads(&cfg));
-            let float = store.get("embed_tokens.weight").map(|t| t.compute_dtype()).transpose()?;
-            (export::target(&cfg, &store, &name)?, tok, float)
+            (export::assistant(cfg, &store, &name)?, float)
         }
-    } else {
-        crate::files::require_dir(model, "model")?;
-        let config = crate::config::read_json(&model.join("config.json"))?;
-        let is_assistant = config.get("model_type").and_then(|v| v.as_str()).is_some_and(|t| t.contains("assistant"));
-        let mut store = WeightStore::open_with(model, recipe.is_some())?;
-        let tok = vocab::tokenizer_meta(model)?.unwrap_or_default();
-        if is_assistant {
-            let cfg = crate::config::load_assistant_config(model)?;
+        Config::Target(cfg) => {
             if let Some(r) = recipe {
-                say(crate::model::assistant::quantize_assistant(&mut store, &cfg, r)?);
+                say(crate::model::target::quantize_target(&mut store, cfg, r)?);
             }
-            let float = store.get_full("model.embed_tokens.weight").map(|t| t.compute_dtype()).transpose()?;
-            (export::assistant(&cfg, &store, &name)?, tok, float)
-        } else {
-            let cfg = crate::config::load_model_config(model)?.text;
-            if let Some(r) = recipe {
-                say(crate::model::target::quantize_target(&mut store, &cfg, r)?);
-            }
-            warnings.extend(llama_cpp_misreads(&cfg));
+            warnings.extend(llama_cpp_misreads(cfg));
             let float = store.get("embed_tokens.weight").map(|t| t.compute_dtype()).transpose()?;
-            (export::target(&cfg, &store, &name)?, tok, float)
+            (export::target(cfg, &store, &name)?, float)
         }
     };
     // The tokenizer's own keys replace the ones the configuration implies (its EOS id, say).
