@@ -961,9 +961,10 @@ impl ConcurrencyReport {
                 .rows
                 .iter()
                 .find(|b| b.concurrency == 1 && b.draft == "off")
-                .map_or(f64::NAN, |b| r.aggregate_tokens_per_s / b.aggregate_tokens_per_s);
+                // Without a plain single-stream row there is nothing to compare with.
+                .map_or("-".to_string(), |b| format!("{:.2}x", r.aggregate_tokens_per_s / b.aggregate_tokens_per_s));
             s += &format!(
-                "{:>7}  {:>5}  {:>15.1}  {:>10.2}x  {:>16.1}  {:>7.0}  {:>10.1}  {:>10.1}  {:>9.1}  {:>7.0}%\n",
+                "{:>7}  {:>5}  {:>15.1}  {:>11}  {:>16.1}  {:>7.0}  {:>10.1}  {:>10.1}  {:>9.1}  {:>7.0}%\n",
                 r.concurrency,
                 r.draft,
                 r.aggregate_tokens_per_s,
