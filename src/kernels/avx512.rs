@@ -31,9 +31,10 @@ pub fn supported() -> bool {
 pub(super) fn plan(m: usize, k: usize, wide: bool, step: usize, x_bytes: usize, w_bytes: usize) -> Plan {
     let (rows, group) = match (m, wide) {
         (0..=4, _) => (4, m.max(1)),
-        // 5-7 rows whose x panel overflows L1: two groups sharing each K chunk of the weights beat one
-        // K-chunked group (E4B's hidden size of 2560: 1.1x one row instead of 1.3x).
-        (5..=7, false) if m * k * x_bytes > L1_BUDGET => (4, 4),
+        // 5-8 rows whose x panel overflows L1: two groups sharing each K chunk of the weights beat one
+        // K-chunked group (E4B's hidden size of 2560: 1.1x one row instead of 1.3x; E2B's down projection,
+        // K = 6144, at 8 rows with AVX512_BF16: 1.4-1.5x one row instead of 1.7x).
+        (5..=8, false) if m * k * x_bytes > L1_BUDGET => (4, 4),
         (5..=8, false) => (3, m),
         (5..=12, _) => (2, m),
         (_, false) => (3, 8),
