@@ -126,6 +126,8 @@ pub struct AutoDraft {
     verify_s: [Option<f64>; AUTO_MAX_DRAFT + 2],
     rounds_since_probe: usize,
     probes: usize,
+    /// What the first position's estimate is pulled towards before evidence (see `rates`).
+    first: f64,
 }
 
 impl Default for AutoDraft {
@@ -142,6 +144,7 @@ impl AutoDraft {
             verify_s: [None; AUTO_MAX_DRAFT + 2],
             rounds_since_probe: 0,
             probes: 0,
+            first: 0.5,
         }
     }
 
@@ -157,10 +160,17 @@ impl AutoDraft {
         1 + self.accept.iter().take_while(|a| a.1 > 0.0).count()
     }
 
+    /// Pull the first position's estimate towards `first` instead of one half: the engine passes what
+    /// all requests together have measured of the drafter, so that a new request starts from that
+    /// instead of paying its own exploration; the request's own evidence takes over as it drafts.
+    pub fn set_first(&mut self, first: f64) {
+        self.first = first;
+    }
+
     /// Estimated acceptance rate of each position given that it is reached.
     pub fn rates(&self) -> [f64; AUTO_MAX_DRAFT] {
         let mut out = [0.0; AUTO_MAX_DRAFT];
-        let mut prev = 0.5;
+        let mut prev = self.first;
         for (r, &(a, n)) in out.iter_mut().zip(&self.accept) {
             *r = (a + PRIOR_WEIGHT * prev) / (n + PRIOR_WEIGHT);
             prev = *r;
@@ -278,6 +288,18 @@ mod tests {
         let ks = simulate(64, |_| false, |r| 0.010 * (1.0 + 0.02 * (r - 1) as f64), 0.001);
         let drafted: usize = ks.iter().sum();
         assert!(ks.iter().all(|&k| k <= 1) && drafted <= 10, "{drafted} drafts: {ks:?}");
+    }
+
+    #[test]
+    fn a_new_policy_starts_from_the_given_first_rate() {
+        let mut p = AutoDraft::new();
+        assert_eq!(p.rates()[0], 0.5);
+        p.set_first(0.05);
+        assert_eq!(p.rates()[0], 0.05);
+        // Its own evidence takes over: two hits out of two move it well above the prior.
+        p.record(1, 1, 0.001, 0.01);
+        p.record(2, 2, 0.002, 0.01);
+        assert!(p.rates()[0] > 0.5, "{:?}", p.rates());
     }
 
     #[test]

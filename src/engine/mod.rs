@@ -484,7 +484,7 @@ impl<'m> Scheduler<'m> {
                 _ => None,
             });
         }
-        self.plan_auto(&auto, &plan);
+        self.plan_auto(&auto);
 
         // Draft: one batched step per draft position, over the sequences still drafting that deep.
         let mut failed: Vec<(usize, String)> = Vec::new();
@@ -542,7 +542,12 @@ impl<'m> Scheduler<'m> {
                 self.models.target.forward_batch(&mut inputs)
             };
             let secs = t.elapsed().as_secs_f64();
-            self.costs.record_forward(report.rows, secs);
+            // Only steps whose every row computes logits teach the cost of a row: a prefill chunk's rows
+            // skip the output head, so steps holding one would make verify rows look cheaper than they are
+            // (docs/engine.md, "Draft length under load").
+            if plan.iter().flatten().all(|p| p.1 == Keep::All) {
+                self.costs.record_forward(report.rows, secs);
+            }
             match result {
                 Ok(outs) => {
                     for (&i, out) in members.iter().zip(&outs) {
@@ -613,11 +618,13 @@ impl<'m> Scheduler<'m> {
 
     /// Choose the k of every `auto` sequence in `auto` together (see `plan`), given what else the step
     /// holds; before the costs are known, each sequence's own policy chooses.
-    fn plan_auto(&mut self, auto: &[usize], plan: &[Option<(Vec<u32>, Keep)>]) {
+    fn plan_auto(&mut self, auto: &[usize]) {
         if auto.is_empty() {
             return;
         }
-        let mut base_rows: usize = plan.iter().flatten().map(|p| p.0.len()).sum();
+        // Prefill chunks are left out of the step's rows: they cost what they cost whatever the drafts,
+        // and the measured costs are those of rows that compute logits (see `step`).
+        let mut base_rows = 0;
         let mut base_tokens = 0.0;
         let mut fixed_depth: Vec<usize> = Vec::new();
         for a in self
@@ -632,6 +639,15 @@ impl<'m> Scheduler<'m> {
                 fixed_depth.resize(k, 0);
             }
             fixed_depth.iter_mut().take(k).for_each(|n| *n += 1);
+        }
+        // A sequence's estimates start from what every request has measured of this drafter so far
+        // (`shared_auto`), so that many requests starting together do not each explore a useless drafter
+        // (here and in their own policies' choice below, before the step costs are known).
+        let first = self.shared_auto.auto().map_or(0.5, |s| s.rates()[0]);
+        for &i in auto {
+            if let Some(DraftPolicy::Auto(p)) = self.active[i].policy.as_mut() {
+                p.set_first(first);
+            }
         }
         let cands: Vec<plan::Candidate> = auto
             .iter()

@@ -63,8 +63,11 @@ impl Costs {
         lookup(&self.forward, rows)
     }
 
+    /// A draft step for `batch` sequences; below the smallest batch measured, that batch's cost (a
+    /// smaller batch costs no more), so that a scheduler that has only ever drafted for many sequences
+    /// at once can still plan.
     fn draft(&self, batch: usize) -> Option<f64> {
-        lookup(&self.draft, batch)
+        lookup(&self.draft, batch).or_else(|| self.draft.iter().skip(batch.max(1)).find_map(|t| *t))
     }
 }
 
@@ -99,7 +102,9 @@ pub fn choose(
     fixed_depth: &[usize],
     cands: &[Candidate],
 ) -> Option<Vec<usize>> {
-    costs.forward(1)?;
+    // The step without drafts must have been measured (or be reachable from smaller measured steps), and
+    // some draft step.
+    costs.forward(base_rows + cands.len())?;
     costs.draft(1)?;
     let mut ks: Vec<usize> = cands.iter().map(|c| usize::from(c.probe && c.k_max > 0)).collect();
     let objective = |ks: &[usize]| -> f64 {
@@ -195,6 +200,23 @@ mod tests {
         // A probe drafts one token even when it does not pay.
         let probe = Candidate { probe: true, ..cand(0.0) };
         assert_eq!(choose(&c, 0, 0.0, &[], &[probe]).unwrap(), vec![1]);
+    }
+
+    #[test]
+    fn a_busy_scheduler_plans_without_ever_having_run_one_row() {
+        // Eight sequences always decode together: forwards of 8-9 rows and draft steps of 8 are all that
+        // was ever measured. The plan must still be made (and must not draft a useless drafter).
+        let mut c = Costs::default();
+        c.record_forward(8, 0.050);
+        c.record_forward(9, 0.051);
+        c.record_draft(8, 0.004);
+        let ks = choose(&c, 0, 0.0, &[], &(0..8).map(|_| cand(0.01)).collect::<Vec<_>>()).unwrap();
+        assert_eq!(ks, vec![0; 8]);
+        assert!(
+            choose(&c, 0, 0.0, &[], &(0..8).map(|_| cand(0.9)).collect::<Vec<_>>()).unwrap().iter().sum::<usize>() > 0
+        );
+        assert_eq!(c.draft(1), Some(0.004));
+        assert_eq!(c.draft(8), Some(0.004));
     }
 
     #[test]
