@@ -414,6 +414,19 @@ unsafe fn lanes16(p: *const u8, bb: usize) -> __m512i {
     _mm512_inserti32x4::<3>(v, l(3))
 }
 
+/// The nibbles of 4 blocks' 16 packed bytes at `p + i · bb`: low nibbles (elements 0..16 of each block,
+/// a 128-bit lane per block) and high nibbles (elements 16..32), as bytes `0..16`.
+///
+/// # Safety
+/// AVX-512 F/BW; each 16 bytes readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn nibbles4(p: *const u8, bb: usize) -> (__m512i, __m512i) {
+    let q = lanes16(p, bb);
+    let m4 = _mm512_set1_epi8(0x0f);
+    (_mm512_and_si512(q, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4))
+}
+
 /// Of the 4 blocks' 32-bit `qh` at `p + i · bb`: the bits of elements 0..16 (block `i` at bits
 /// `16i..16i+16`), and those of elements 16..32.
 ///
@@ -564,10 +577,9 @@ impl Format for Q4_0 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn decode(b: *const u8) -> Step32 {
         // Low nibbles are elements 0..16, high nibbles 16..32.
-        let q = lanes16(b.add(2), 18);
-        let (m4, c8) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(8));
-        let w0 = _mm512_sub_epi8(_mm512_and_si512(q, m4), c8);
-        let w1 = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16::<4>(q), m4), c8);
+        let (lo, hi) = nibbles4(b.add(2), 18);
+        let c8 = _mm512_set1_epi8(8);
+        let (w0, w1) = (_mm512_sub_epi8(lo, c8), _mm512_sub_epi8(hi, c8));
         Step32 { w0, w1, nc: neg_corr(w0, w1), d: spread4(f16x4(b, 18)), m: _mm512_setzero_ps() }
     }
 
@@ -586,9 +598,7 @@ impl Format for Q4_0 {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn levels5(b: *const u8, bb: usize, qs_at: usize, qh_at: usize, off: bool) -> (__m512i, __m512i) {
-    let q = lanes16(b.add(qs_at), bb);
-    let m4 = _mm512_set1_epi8(0x0f);
-    let (lo, hi) = (_mm512_and_si512(q, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4));
+    let (lo, hi) = nibbles4(b.add(qs_at), bb);
     let (k0, k1) = qh_masks(b.add(qh_at), bb);
     let c16 = _mm512_set1_epi8(16);
     if off {
@@ -929,10 +939,9 @@ impl Format for IQ4NL {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn decode(b: *const u8) -> Step32 {
         // As Q4_0 (low nibbles elements 0..16, high nibbles 16..32), each nibble looked up in the table.
-        let q = lanes16(b.add(2), 18);
-        let (m4, t) = (_mm512_set1_epi8(0x0f), iq4_table(0));
-        let w0 = _mm512_shuffle_epi8(t, _mm512_and_si512(q, m4));
-        let w1 = _mm512_shuffle_epi8(t, _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4));
+        let (lo, hi) = nibbles4(b.add(2), 18);
+        let t = iq4_table(0);
+        let (w0, w1) = (_mm512_shuffle_epi8(t, lo), _mm512_shuffle_epi8(t, hi));
         Step32 { w0, w1, nc: neg_corr(w0, w1), d: spread4(f16x4(b, 18)), m: _mm512_setzero_ps() }
     }
 
