@@ -152,7 +152,8 @@ fn tensors(
         }
         let gguf =
             rename(short).ok_or_else(|| anyhow!("tensor `{full}` has no place in llama.cpp's Gemma 4 layout"))?;
-        out.push((gguf, widen_vector(store.get_full(full).expect("listed"))));
+        let t = store.get_full(full).ok_or_else(|| anyhow!("tensor `{full}` is listed but cannot be read"))?;
+        out.push((gguf, widen_vector(t)));
     }
     Ok(out)
 }
