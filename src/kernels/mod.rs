@@ -27,6 +27,7 @@ mod avx512;
 mod avx512_quant;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
+mod pool;
 #[cfg(test)]
 mod quant_tests;
 #[cfg(test)]
@@ -522,6 +523,13 @@ pub fn exp_shifted_with(isa: Isa, x: &[f32], m: f32, out: &mut [f32]) {
     }
 }
 
+/// `f` of every item, in parallel on the forward's threads (a spinning pool, `pool.rs`), results
+/// in order. For the forward's per-head and per-sequence work; a call inside another parallel
+/// region runs on its thread.
+pub fn par_map<T: Send, U: Send>(items: Vec<T>, f: impl Fn(T) -> U + Sync) -> Vec<U> {
+    pool::map(items, f)
+}
+
 /// `out[i, :] = Σ_t p[i, t] · v[t, :]` for the `m` rows of `p` (`[m, v.rows]`); `out` is `[m, v.cols]`.
 /// Attention's probabilities times its values, with `v` read once for all rows. Each output element
 /// adds its terms in `t` order (fused multiply-adds in the SIMD versions), so the result does not depend
@@ -542,15 +550,11 @@ pub fn weighted_rows_with(isa: Isa, p: &[f32], m: usize, v: MatRef, out: &mut [f
     }
     let chunk = d.div_ceil(parts).div_ceil(64) * 64;
     let ranges: Vec<std::ops::Range<usize>> = (0..d).step_by(chunk).map(|c| c..d.min(c + chunk)).collect();
-    use rayon::prelude::*;
-    let results: Vec<Vec<f32>> = ranges
-        .par_iter()
-        .map(|r| {
-            let mut o = vec![0f32; m * r.len()];
-            weighted_cols(isa, p, m, v, r.clone(), &mut o);
-            o
-        })
-        .collect();
+    let results: Vec<Vec<f32>> = par_map(ranges.clone(), |r| {
+        let mut o = vec![0f32; m * r.len()];
+        weighted_cols(isa, p, m, v, r, &mut o);
+        o
+    });
     for (r, o) in ranges.iter().zip(&results) {
         for (i, row) in o.chunks_exact(r.len()).enumerate() {
             out[i * d + r.start..i * d + r.end].copy_from_slice(row);

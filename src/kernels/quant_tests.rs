@@ -227,7 +227,8 @@ fn quant_matmul_is_bit_exact_across_batch_and_splits() {
                 let auto = run(isa, xs, m, w, Split::Auto);
                 let split = pool3.install(|| run(isa, xs, m, w, Split::Rows(12)));
                 let odd = pool3.install(|| run(isa, xs, m, w, Split::Rows(5)));
-                for (name, other) in [("chunks of 12", &split), ("chunks of 5", &odd)] {
+                let spun = run(isa, xs, m, w, Split::Rows(5));
+                for (name, other) in [("chunks of 12", &split), ("chunks of 5", &odd), ("spinning pool", &spun)] {
                     assert!(
                         auto.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits()),
                         "{isa} {qt} m={m}: {name}"

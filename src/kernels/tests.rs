@@ -199,7 +199,11 @@ fn matmul_is_bit_exact_across_threads_and_batch() {
                 let one = pool1.install(|| run(Split::Rows(8)));
                 let three = pool3.install(|| run(Split::Rows(8)));
                 let odd = pool3.install(|| run(Split::Rows(13)));
-                for (name, other) in [("1 thread", &one), ("3 threads", &three), ("chunks of 13", &odd)] {
+                // From this (non-rayon) thread the chunks go to the spinning pool when it is free.
+                let spun = run(Split::Rows(8));
+                for (name, other) in
+                    [("1 thread", &one), ("3 threads", &three), ("chunks of 13", &odd), ("spinning pool", &spun)]
+                {
                     assert!(
                         inline.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits()),
                         "{isa} {dtype:?} m={m}: {name}"

@@ -3,36 +3,50 @@
 //! (`pack_panels`). Safe Rust; the SIMD files supply the tile kernels.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
-use super::{MatRef, Split};
+use super::{pool, MatRef, Split};
 use rayon::prelude::*;
+use std::sync::Mutex;
 
 /// Thread chunks are multiples of this many weight rows, so that every tile height the kernels use
 /// (1 to 4 rows) divides them.
 const CHUNK_ROW_MULTIPLE: usize = 12;
 
-/// Below this many bytes of weights (and little compute) a matmul runs on the calling thread: waking
-/// rayon's pool costs ~5 µs here, which a matrix smaller than ~1 MiB does not win back at m = 1 in
-/// isolation (`examples/matmul_bench.rs --small`). In a chain of small matmuls (the drafter's 256-wide
-/// layers) the wake-ups cost more: `tandem bench` measured a draft step at 0.96 ms with 4 MiB against
-/// 1.25 ms with 1 MiB, with no change to the target's decode step (its matrices are larger or smaller).
+/// Below this many bytes of weights (and little compute) a matmul runs on the calling thread when
+/// only rayon can split it: waking rayon's pool costs ~5 µs here, which a matrix smaller than
+/// ~1 MiB does not win back at m = 1 in isolation (`examples/matmul_bench.rs --small`), and in a
+/// chain of small matmuls (the drafter's layers) the wake-ups cost more.
 const PAR_MIN_BYTES: usize = 4 << 20;
 /// ... unless it has this many multiply-adds (prefill on a small matrix is compute-bound).
 const PAR_MIN_MACS: usize = 4 << 20;
+/// The same two thresholds when the spinning pool (`pool`) takes the call: its helpers start
+/// within a microsecond, so only matrices of a few cache lines per thread stay on one.
+const POOL_MIN_BYTES: usize = 64 << 10;
+const POOL_MIN_MACS: usize = 64 << 10;
 /// Chunks per thread when splitting: more than one so a thread slowed by a noisy neighbour hands
-/// work to the others (rayon steals whole chunks).
+/// work to the others (chunks are claimed one at a time).
 const CHUNKS_PER_THREAD: usize = 8;
 /// But no chunk smaller than this many bytes of weights.
 const MIN_CHUNK_BYTES: usize = 64 << 10;
 
 /// Rows per thread chunk of a matrix of `n` rows of `row_bytes` bytes and `k` columns, against `m`
-/// activation rows, or `None` to run on the calling thread.
-fn chunk_rows(n: usize, row_bytes: usize, k: usize, m: usize, split: Split) -> Option<usize> {
+/// activation rows, on `threads` threads (`pooled`: through the spinning pool), or `None` to run on
+/// the calling thread.
+fn chunk_rows(
+    n: usize,
+    row_bytes: usize,
+    k: usize,
+    m: usize,
+    split: Split,
+    threads: usize,
+    pooled: bool,
+) -> Option<usize> {
     let rows = match split {
         Split::Rows(r) => r.max(1),
         Split::Auto => {
-            let threads = rayon::current_num_threads();
+            let (min_bytes, min_macs) =
+                if pooled { (POOL_MIN_BYTES, POOL_MIN_MACS) } else { (PAR_MIN_BYTES, PAR_MIN_MACS) };
             let bytes = n * row_bytes;
-            if threads <= 1 || (bytes < PAR_MIN_BYTES && m.saturating_mul(n * k) < PAR_MIN_MACS) {
+            if threads <= 1 || (bytes < min_bytes && m.saturating_mul(n * k) < min_macs) {
                 return None;
             }
             (n / (threads * CHUNKS_PER_THREAD)).max(MIN_CHUNK_BYTES / row_bytes.max(1))
@@ -55,7 +69,8 @@ where
 }
 
 /// [`for_row_chunks`] for any matrix of `n` rows of `row_bytes` bytes and `k` columns: `f` gets the
-/// range of weight rows of its chunk.
+/// range of weight rows of its chunk. The chunks run on the spinning pool (`pool`) when it is free,
+/// else on rayon's.
 pub(crate) fn for_row_ranges<F>(n: usize, row_bytes: usize, k: usize, m: usize, out: &mut [f32], split: Split, f: F)
 where
     F: Fn(std::ops::Range<usize>, &mut [&mut [f32]]) + Sync,
@@ -63,7 +78,13 @@ where
     if m == 0 || n == 0 {
         return;
     }
-    let Some(rows) = chunk_rows(n, row_bytes, k, m, split) else {
+    let width = pool::width();
+    let (threads, pooled) = match width {
+        1 if pool::in_region() => (1, false),
+        1 => (rayon::current_num_threads(), false),
+        w => (w, true),
+    };
+    let Some(rows) = chunk_rows(n, row_bytes, k, m, split, threads, pooled) else {
         let mut outs: Vec<&mut [f32]> = out.chunks_mut(n).collect();
         f(0..n, &mut outs);
         return;
@@ -75,10 +96,16 @@ where
             p.push(piece);
         }
     }
-    pieces.into_par_iter().enumerate().for_each(|(c, mut outs)| {
+    // Each task takes its own piece; the locks are never contended.
+    let pieces: Vec<Mutex<Vec<&mut [f32]>>> = pieces.into_iter().map(Mutex::new).collect();
+    let task = |c: usize| {
+        let mut outs = pieces[c].lock().unwrap_or_else(|e| e.into_inner());
         let start = c * rows;
         f(start..n.min(start + rows), &mut outs);
-    });
+    };
+    if !(pooled && pool::run(nchunks, &task)) {
+        (0..nchunks).into_par_iter().for_each(task);
+    }
 }
 
 /// x packed by [`pack_panels`]: `data()` starts on a 64-byte boundary.

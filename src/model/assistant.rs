@@ -4,7 +4,6 @@
 use std::path::Path;
 
 use anyhow::{bail, Result};
-use rayon::prelude::*;
 
 use crate::config::{load_assistant_config, AssistantConfig, DraftHead, LayerType};
 use crate::kernels::{self, DType};
@@ -303,11 +302,7 @@ impl Assistant {
                 };
                 attend(qr, kv, 1, hq, |_| lo..p, dt, or);
             };
-            if n > 1 {
-                q.par_chunks_exact(hq * d).zip(o.par_chunks_exact_mut(hq * d)).zip(rows).for_each(attend_row);
-            } else {
-                q.chunks_exact(hq * d).zip(o.chunks_exact_mut(hq * d)).zip(rows).for_each(attend_row);
-            }
+            kernels::par_map(q.chunks_exact(hq * d).zip(o.chunks_exact_mut(hq * d)).zip(rows).collect(), attend_row);
             let mut out = vec![0f32; n * t.hidden_size];
             kernels::matmul(&o, n, layer.o.mat(), &mut out);
             dt.round_slice(&mut out);

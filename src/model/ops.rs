@@ -3,8 +3,6 @@
 
 use std::ops::Range;
 
-use rayon::prelude::*;
-
 use crate::kernels::{self, DType, Weight};
 use crate::model::cache::LayerKv;
 
@@ -143,8 +141,11 @@ pub fn attend(
         o
     };
     let work_size = rows * hq * keys(rows.saturating_sub(1)).len() * d;
-    let results: Vec<Vec<f32>> =
-        if work_size > 1 << 16 { tasks.par_iter().map(work).collect() } else { tasks.iter().map(work).collect() };
+    let results: Vec<Vec<f32>> = if work_size > 1 << 16 {
+        kernels::par_map(tasks.iter().collect(), work)
+    } else {
+        tasks.iter().map(work).collect()
+    };
     for (&(r0, h0), o) in tasks.iter().zip(&results) {
         for (i, oi) in o.chunks_exact(sub * d).enumerate() {
             out[((r0 + i) * hq + h0) * d..][..sub * d].copy_from_slice(oi);

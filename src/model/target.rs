@@ -573,11 +573,7 @@ impl TargetModel {
             rest = tail;
         }
         let work: Vec<_> = seqs.iter().zip(spans).zip(outs).map(|((s, sp), o)| (s, sp, o)).collect();
-        if work.len() > 1 {
-            work.into_par_iter().for_each(attend_one);
-        } else {
-            work.into_iter().for_each(attend_one);
-        }
+        kernels::par_map(work, attend_one);
 
         let mut out = vec![0f32; rows * h_dim];
         kernels::matmul(&o, rows, layer.attn.o.mat(), &mut out);
