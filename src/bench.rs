@@ -916,8 +916,9 @@ pub struct ConcurrencyOptions {
     pub draft: Option<crate::decode::draft_policy::DraftLength>,
     /// Repetitions of each (level, mode), interleaved; medians are reported.
     pub repeats: usize,
-    /// When not 0: once every stream has its first token, a request with a prompt this long joins (and
-    /// generates one token); the latencies then show what its prefill costs the running streams.
+    /// When not 0: every measurement runs twice (interleaved), alone and with a request with a prompt
+    /// this long joining once every stream has its first token (it generates one token): the
+    /// latencies then show what its prefill costs the running streams, next to their pace without it.
     pub join_prompt: usize,
     /// Prompts to use (cycled, each cut to `prompt_tokens`); random ids when empty.
     pub prompts: Vec<Vec<u32>>,
@@ -939,6 +940,10 @@ pub struct ConcurrencyRow {
     /// Mean rows per target forward.
     pub rows_per_step: f64,
     pub acceptance_rate: f64,
+    /// Prompt tokens of the request that joined the running streams (0: none joined).
+    pub join_prompt: usize,
+    /// Its time from submission to its first token.
+    pub joiner_ttft_ms: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -955,16 +960,18 @@ impl ConcurrencyReport {
             "{}; {} prompt tokens and {} new tokens per request, greedy; medians of the repetitions\n",
             self.model, self.prompt_tokens, self.new_tokens
         );
-        s += "streams  draft  aggregate tok/s  vs 1 stream  per-stream tok/s  TTFT ms  ITL p50 ms  ITL p99 ms  rows/step  accepted\n";
+        let joins = self.rows.iter().any(|r| r.join_prompt > 0);
+        s += "streams  draft  aggregate tok/s  vs 1 stream  per-stream tok/s  TTFT ms  ITL p50 ms  ITL p99 ms  rows/step  accepted";
+        s += if joins { "  joiner  joiner TTFT ms\n" } else { "\n" };
         for r in &self.rows {
             let base = self
                 .rows
                 .iter()
-                .find(|b| b.concurrency == 1 && b.draft == "off")
+                .find(|b| b.concurrency == 1 && b.draft == "off" && b.join_prompt == 0)
                 // Without a plain single-stream row there is nothing to compare with.
                 .map_or("-".to_string(), |b| format!("{:.2}x", r.aggregate_tokens_per_s / b.aggregate_tokens_per_s));
             s += &format!(
-                "{:>7}  {:>5}  {:>15.1}  {:>11}  {:>16.1}  {:>7.0}  {:>10.1}  {:>10.1}  {:>9.1}  {:>7.0}%\n",
+                "{:>7}  {:>5}  {:>15.1}  {:>11}  {:>16.1}  {:>7.0}  {:>10.1}  {:>10.1}  {:>9.1}  {:>7.0}%",
                 r.concurrency,
                 r.draft,
                 r.aggregate_tokens_per_s,
@@ -976,6 +983,12 @@ impl ConcurrencyReport {
                 r.rows_per_step,
                 100.0 * r.acceptance_rate
             );
+            if joins {
+                let ttft = r.joiner_ttft_ms.map_or("-".to_string(), |t| format!("{t:.0}"));
+                let join = if r.join_prompt > 0 { r.join_prompt.to_string() } else { "-".into() };
+                s += &format!("  {join:>6}  {ttft:>14}");
+            }
+            s += "\n";
         }
         s
     }
@@ -995,6 +1008,7 @@ fn concurrency_once(
     c: usize,
     opts: &ConcurrencyOptions,
     draft: Option<crate::decode::draft_policy::DraftLength>,
+    join_prompt: usize,
     salt: u64,
 ) -> Result<ConcurrencyRow> {
     use crate::engine::{Event, Limits, Prompt, Request, Scheduler};
@@ -1032,9 +1046,9 @@ fn concurrency_once(
     let mut open = c;
     let mut joiner = None;
     while open > 0 {
-        if opts.join_prompt > 0 && joiner.is_none() && arrivals.iter().all(|a| !a.is_empty()) {
+        if join_prompt > 0 && joiner.is_none() && arrivals.iter().all(|a| !a.is_empty()) {
             let ids: Vec<u32> =
-                (0..opts.join_prompt as u64).map(|i| 3 + ((i * 15_485_863 + salt) % (vocab - 3)) as u32).collect();
+                (0..join_prompt as u64).map(|i| 3 + ((i * 15_485_863 + salt) % (vocab - 3)) as u32).collect();
             let o = crate::decode::generate::GenerateOptions { max_new_tokens: 1, ..gen.clone() };
             let req = Request {
                 prompt: Prompt::Ids(ids),
@@ -1044,7 +1058,7 @@ fn concurrency_once(
                 draft: None,
                 trace: false,
             };
-            joiner = Some(s.submit(req)?);
+            joiner = Some((s.submit(req)?, t0.elapsed().as_secs_f64()));
         }
         let report = s.step();
         if report.rows > 0 {
@@ -1069,7 +1083,22 @@ fn concurrency_once(
         }
     }
     let wall = t0.elapsed().as_secs_f64();
-    drop(joiner);
+    // The newcomer may still be prefilling: step on until its first token (or its end).
+    let mut joiner_ttft_ms = None;
+    if let Some((h, submitted)) = joiner {
+        loop {
+            match h.try_recv() {
+                Some(Event::Tokens { .. } | Event::Done(_)) => {
+                    joiner_ttft_ms = Some((t0.elapsed().as_secs_f64() - submitted) * 1e3);
+                    break;
+                }
+                Some(Event::Error(e)) => bail!("the joining request failed: {e}"),
+                None => {
+                    s.step();
+                }
+            }
+        }
+    }
     let total: usize = arrivals.iter().map(Vec::len).sum();
     let per_stream: Vec<f64> = arrivals
         .iter()
@@ -1101,6 +1130,8 @@ fn concurrency_once(
         itl_ms_p99: percentile(itl, 0.99),
         rows_per_step: rows as f64 / steps.max(1) as f64,
         acceptance_rate: if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
+        join_prompt,
+        joiner_ttft_ms,
     })
 }
 
@@ -1126,23 +1157,26 @@ pub fn run_concurrency(
             opts.new_tokens
         );
     }
-    let modes: Vec<Option<crate::decode::draft_policy::DraftLength>> = match (opts.draft, &models.assistant) {
+    let drafts: Vec<Option<crate::decode::draft_policy::DraftLength>> = match (opts.draft, &models.assistant) {
         (Some(d), Some(_)) => vec![None, Some(d)],
         (Some(_), None) => bail!("drafting in the concurrency bench needs an assistant"),
         (None, _) => vec![None],
     };
+    let joins = if opts.join_prompt > 0 { vec![0, opts.join_prompt] } else { vec![0] };
+    let modes: Vec<_> = drafts.iter().flat_map(|&d| joins.iter().map(move |&j| (d, j))).collect();
     let mut rows = Vec::new();
     for &c in &opts.levels {
         let mut runs: Vec<Vec<ConcurrencyRow>> = vec![Vec::new(); modes.len()];
         for rep in 0..opts.repeats.max(1) {
-            for (m, &mode) in modes.iter().enumerate() {
+            for (m, &(mode, join)) in modes.iter().enumerate() {
                 log(&format!(
-                    "{c} streams, draft {}, run {}/{}",
+                    "{c} streams, draft {}{}, run {}/{}",
                     mode.map_or("off".into(), |d| d.to_string()),
+                    if join > 0 { format!(", a {join}-token prompt joining") } else { String::new() },
                     rep + 1,
                     opts.repeats.max(1)
                 ));
-                runs[m].push(concurrency_once(models, c, opts, mode, rep as u64 * 1000)?);
+                runs[m].push(concurrency_once(models, c, opts, mode, join, rep as u64 * 1000)?);
             }
         }
         for mut r in runs {

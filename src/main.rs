@@ -202,8 +202,9 @@ struct BenchArgs {
     /// --concurrency: measure plain decoding only.
     #[arg(long)]
     no_draft: bool,
-    /// --concurrency: once the streams run, a request with a prompt of N tokens joins (its prefill shows
-    /// in the streams' inter-token latency).
+    /// --concurrency: also measure each level with a request with a prompt of N tokens joining once the
+    /// streams run (its prefill shows in the streams' inter-token latency; its own time to first token
+    /// is reported)
     #[arg(long, value_name = "N", allow_hyphen_values = true, default_value_t = 0)]
     join_prompt: usize,
     /// The checkpoint to measure (default: a random model of --preset with --layers, and its random

@@ -162,9 +162,12 @@ pub struct Limits {
     pub max_active: usize,
     /// Prompt rows all newcomers together may add to one step when no sequence is decoding.
     pub prefill_rows: usize,
-    /// The same while other sequences decode, so that their steps stay short (a step over this many
-    /// prompt rows costs about two decode steps on a memory-bound CPU).
+    /// The most prompt rows while other sequences decode. Within it, a step takes only as many as keep
+    /// it under `busy_step_ratio` times the decoding rows' own cost (measured), so that running streams
+    /// keep their pace while a long prompt joins (docs/engine.md, "Prefill next to decoding").
     pub prefill_rows_busy: usize,
+    /// See `prefill_rows_busy`; at least [`MIN_BUSY_PREFILL_ROWS`] prompt rows go into every step.
+    pub busy_step_ratio: f64,
     /// Bytes of K/V the sequences (and the pool of finished ones) may hold. A request reserves its prompt
     /// plus its `max_new_tokens` at admission and waits until that fits.
     pub kv_bytes: usize,
@@ -180,6 +183,7 @@ impl Default for Limits {
             max_active: 64,
             prefill_rows: PREFILL_CHUNK,
             prefill_rows_busy: 32,
+            busy_step_ratio: 1.5,
             kv_bytes: 8 << 30,
             pool: 4,
             step_delay: None,
@@ -296,6 +300,9 @@ struct Active<'m> {
 /// `auto` rounds without drafting after which a sequence drafts one token, to refresh its estimates;
 /// and every this many rounds a drafting one tries one draft more than chosen.
 const PROBE_IDLE_EVERY: usize = 32;
+/// Prompt rows a step next to decoding sequences takes at least, whatever the costs (see
+/// [`Limits::prefill_rows_busy`]): a joining prompt always advances.
+pub const MIN_BUSY_PREFILL_ROWS: usize = 8;
 const PROBE_LONGER_EVERY: usize = 16;
 
 struct Waiting {
@@ -462,8 +469,13 @@ impl<'m> Scheduler<'m> {
         }
 
         // Plan: prefill chunks within the step's budget, k for every sequence ready for a round.
-        let decoding = self.active.iter().any(|a| a.seq.phase() == Phase::Ready);
-        let mut budget = if decoding { self.limits.prefill_rows_busy } else { self.limits.prefill_rows };
+        let ready = self.active.iter().filter(|a| a.seq.phase() == Phase::Ready).count();
+        let mut budget = if ready > 0 {
+            let l = &self.limits;
+            self.costs.busy_prefill_rows(ready, l.busy_step_ratio, MIN_BUSY_PREFILL_ROWS, l.prefill_rows_busy)
+        } else {
+            self.limits.prefill_rows
+        };
         let mut plan: Vec<Option<(Vec<u32>, Keep)>> = Vec::with_capacity(self.active.len());
         let mut auto = Vec::new();
         for (i, a) in self.active.iter_mut().enumerate() {
@@ -545,8 +557,11 @@ impl<'m> Scheduler<'m> {
             // Only steps whose every row computes logits teach the cost of a row: a prefill chunk's rows
             // skip the output head, so steps holding one would make verify rows look cheaper than they are
             // (docs/engine.md, "Draft length under load").
-            if plan.iter().flatten().all(|p| p.1 == Keep::All) {
+            let prompt_rows: usize = plan.iter().flatten().filter(|p| p.1 == Keep::Last).map(|p| p.0.len()).sum();
+            if prompt_rows == 0 {
                 self.costs.record_forward(report.rows, secs);
+            } else {
+                self.costs.record_prefill(prompt_rows, report.rows - prompt_rows, secs);
             }
             match result {
                 Ok(outs) => {

@@ -15,11 +15,13 @@ const MAX_BATCH: usize = 128;
 pub struct Costs {
     forward: Vec<Option<f64>>,
     draft: Vec<Option<f64>>,
+    /// What one prompt row adds to a step (a prefill chunk's rows skip the output head).
+    prefill_row: Option<f64>,
 }
 
 impl Default for Costs {
     fn default() -> Self {
-        Costs { forward: vec![None; MAX_ROWS + 1], draft: vec![None; MAX_BATCH + 1] }
+        Costs { forward: vec![None; MAX_ROWS + 1], draft: vec![None; MAX_BATCH + 1], prefill_row: None }
     }
 }
 
@@ -57,6 +59,39 @@ impl Costs {
         if let Some(slot) = self.draft.get_mut(batch) {
             ema(slot, seconds);
         }
+    }
+
+    /// A step of `prompt_rows` prefill rows next to `logit_rows` rows that compute logits: what the
+    /// prompt rows cost is what the step took beyond the logit rows' measured cost.
+    pub fn record_prefill(&mut self, prompt_rows: usize, logit_rows: usize, seconds: f64) {
+        if prompt_rows == 0 {
+            return;
+        }
+        // Alone, a chunk's cost is mostly reading the weights, not what its rows add.
+        if logit_rows == 0 {
+            return;
+        }
+        if let Some(base) = self.forward(logit_rows) {
+            ema(&mut self.prefill_row, (seconds - base).max(0.0) / prompt_rows as f64);
+        }
+    }
+
+    /// Prompt rows to add to a step of `logit_rows` decoding rows so that it costs at most `ratio`
+    /// times those rows alone, between `min` and `max`. While no step of decoding rows alone has been
+    /// measured: 0, so that this step measures one (the cost of a prompt row is measured against it);
+    /// then `max` until a prompt row's cost is known.
+    pub fn busy_prefill_rows(&self, logit_rows: usize, ratio: f64, min: usize, max: usize) -> usize {
+        let Some(base) = self.forward(logit_rows) else {
+            return 0;
+        };
+        let Some(row) = self.prefill_row else {
+            return max;
+        };
+        if row <= 0.0 {
+            return max;
+        }
+        let rows = ((ratio - 1.0).max(0.0) * base / row).floor();
+        (rows.min(max as f64) as usize).clamp(min.min(max), max)
     }
 
     fn forward(&self, rows: usize) -> Option<f64> {
@@ -217,6 +252,22 @@ mod tests {
         );
         assert_eq!(c.draft(1), Some(0.004));
         assert_eq!(c.draft(8), Some(0.004));
+    }
+
+    #[test]
+    fn a_busy_step_takes_the_prompt_rows_its_cost_ratio_allows() {
+        let mut c = Costs::default();
+        // No decoding step measured: none, so that this one is; then the configured maximum until a
+        // prompt row's cost is known.
+        assert_eq!(c.busy_prefill_rows(4, 2.0, 8, 32), 0);
+        c.record_forward(4, 0.100);
+        assert_eq!(c.busy_prefill_rows(4, 2.0, 8, 32), 32);
+        // 4 logit rows take 100 ms; a step with 16 prompt rows took 180 ms: 5 ms a prompt row.
+        c.record_prefill(16, 4, 0.180);
+        assert_eq!(c.busy_prefill_rows(4, 2.0, 8, 32), 20);
+        assert_eq!(c.busy_prefill_rows(4, 1.5, 8, 32), 10);
+        assert_eq!(c.busy_prefill_rows(4, 1.1, 8, 32), 8);
+        assert_eq!(c.busy_prefill_rows(4, 9.0, 8, 32), 32);
     }
 
     #[test]
