@@ -163,8 +163,9 @@ pub struct Limits {
     /// Prompt rows all newcomers together may add to one step when no sequence is decoding.
     pub prefill_rows: usize,
     /// The most prompt rows while other sequences decode. Within it, a step takes only as many as keep
-    /// it under `busy_step_ratio` times the decoding rows' own cost (measured), so that running streams
-    /// keep their pace while a long prompt joins (docs/engine.md, "Prefill next to decoding").
+    /// it under `busy_step_ratio` times the decoding rows' own cost (measured; the ratio grows with the
+    /// number of newcomers per decoding sequence), so that running streams keep their pace while a long
+    /// prompt joins (docs/engine.md, "Prefill next to decoding").
     pub prefill_rows_busy: usize,
     /// See `prefill_rows_busy`; at least [`MIN_BUSY_PREFILL_ROWS`] prompt rows go into every step.
     pub busy_step_ratio: f64,
@@ -470,9 +471,13 @@ impl<'m> Scheduler<'m> {
 
         // Plan: prefill chunks within the step's budget, k for every sequence ready for a round.
         let ready = self.active.iter().filter(|a| a.seq.phase() == Phase::Ready).count();
+        let prefilling = self.active.iter().filter(|a| a.seq.phase() == Phase::Prefill).count();
         let mut budget = if ready > 0 {
+            // The decoding streams' pace weighs as much as the newcomers waiting for their first token:
+            // with more newcomers than streams, the step may slow down in proportion.
             let l = &self.limits;
-            self.costs.busy_prefill_rows(ready, l.busy_step_ratio, MIN_BUSY_PREFILL_ROWS, l.prefill_rows_busy)
+            let ratio = l.busy_step_ratio * (prefilling as f64 / ready as f64).max(1.0);
+            self.costs.busy_prefill_rows(ready, ratio, MIN_BUSY_PREFILL_ROWS, l.prefill_rows_busy)
         } else {
             self.limits.prefill_rows
         };

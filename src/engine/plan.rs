@@ -48,6 +48,11 @@ fn lookup(table: &[Option<f64>], n: usize) -> Option<f64> {
     Some(lo.1 + slope * (n - lo.0) as f64)
 }
 
+/// [`lookup`], or below the smallest count measured, that one's cost (a smaller count costs no more).
+fn lookup_or_above(table: &[Option<f64>], n: usize) -> Option<f64> {
+    lookup(table, n).or_else(|| table.iter().skip(n.max(1)).find_map(|t| *t))
+}
+
 impl Costs {
     pub fn record_forward(&mut self, rows: usize, seconds: f64) {
         if let Some(slot) = self.forward.get_mut(rows) {
@@ -71,17 +76,19 @@ impl Costs {
         if logit_rows == 0 {
             return;
         }
-        if let Some(base) = self.forward(logit_rows) {
+        if let Some(base) = lookup_or_above(&self.forward, logit_rows) {
             ema(&mut self.prefill_row, (seconds - base).max(0.0) / prompt_rows as f64);
         }
     }
 
     /// Prompt rows to add to a step of `logit_rows` decoding rows so that it costs at most `ratio`
-    /// times those rows alone, between `min` and `max`. While no step of decoding rows alone has been
-    /// measured: 0, so that this step measures one (the cost of a prompt row is measured against it);
-    /// then `max` until a prompt row's cost is known.
+    /// times those rows alone, between `min` and `max`. The decoding rows' cost is interpolated from
+    /// the measured row counts, or, below the smallest one measured (sequences that draft never step
+    /// with one row each), that one's cost: fewer rows cost no more. While no forward at all has been
+    /// measured: 0, so that this step measures one (a prompt row's cost is measured against it); then
+    /// `max` until a prompt row's cost is known.
     pub fn busy_prefill_rows(&self, logit_rows: usize, ratio: f64, min: usize, max: usize) -> usize {
-        let Some(base) = self.forward(logit_rows) else {
+        let Some(base) = lookup_or_above(&self.forward, logit_rows) else {
             return 0;
         };
         let Some(row) = self.prefill_row else {
@@ -102,7 +109,7 @@ impl Costs {
     /// smaller batch costs no more), so that a scheduler that has only ever drafted for many sequences
     /// at once can still plan.
     fn draft(&self, batch: usize) -> Option<f64> {
-        lookup(&self.draft, batch).or_else(|| self.draft.iter().skip(batch.max(1)).find_map(|t| *t))
+        lookup_or_above(&self.draft, batch)
     }
 }
 
@@ -268,6 +275,13 @@ mod tests {
         assert_eq!(c.busy_prefill_rows(4, 1.5, 8, 32), 10);
         assert_eq!(c.busy_prefill_rows(4, 1.1, 8, 32), 8);
         assert_eq!(c.busy_prefill_rows(4, 9.0, 8, 32), 32);
+        // Sequences that always draft never step with one row each: below the smallest row count
+        // measured, its cost stands in.
+        let mut d = Costs::default();
+        d.record_forward(5, 0.100);
+        d.record_prefill(16, 5, 0.180);
+        assert_eq!(d.busy_prefill_rows(1, 2.0, 8, 32), 20);
+        assert_eq!(d.busy_prefill_rows(2, 1.5, 8, 32), 10);
     }
 
     #[test]
