@@ -31,6 +31,7 @@ fn config() -> ServerConfig {
         max_body_bytes: 1 << 20,
         context: None,
         kv_bytes: Some(1 << 30),
+        prefill_step_ratio: 1.5,
         draft: None,
         chat_template: None,
         cors: Vec::new(),
@@ -702,6 +703,8 @@ fn serve_command_refuses_bad_options() {
     let cases: &[(&[&str], &str)] = &[
         (&["--max-concurrency", "0"], "--max-concurrency must be at least 1"),
         (&["--max-body-bytes", "0"], "--max-body-bytes must be at least 1"),
+        (&["--prefill-step-ratio", "0.5"], "--prefill-step-ratio must be a number of at least 1"),
+        (&["--prefill-step-ratio", "NaN"], "--prefill-step-ratio must be a number of at least 1"),
         (&["--context", "0"], "--context must be at least 1"),
         (&["--kv-memory", "8Q"], "--kv-memory"),
         (&["--kv-memory", "-1G"], "--kv-memory"),

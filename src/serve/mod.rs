@@ -81,6 +81,11 @@ pub struct ServeArgs {
     /// Seconds that in-flight requests get to finish after SIGTERM or Ctrl-C.
     #[arg(long, default_value_t = 30, allow_hyphen_values = true)]
     pub shutdown_grace: u64,
+    /// While requests decode, a newcomer's prompt goes in chunks that keep a step within R times what
+    /// the decoding requests' rows cost alone: larger, newcomers get their first token sooner; smaller,
+    /// running streams keep their pace (docs/engine.md, "Prefill next to decoding").
+    #[arg(long, value_name = "R", default_value_t = Limits::default().busy_step_ratio, allow_hyphen_values = true)]
+    pub prefill_step_ratio: f64,
 }
 
 /// Everything a server needs, checked.
@@ -96,6 +101,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     pub context: Option<usize>,
     pub kv_bytes: Option<usize>,
+    /// `Limits::busy_step_ratio` (`--prefill-step-ratio`).
+    pub prefill_step_ratio: f64,
     /// `None`: the drafter's default; `Some(None)`: off.
     pub draft: Option<Option<DraftLength>>,
     pub chat_template: Option<PathBuf>,
@@ -138,6 +145,7 @@ impl ServerConfig {
             served_model_name: "tandem".into(),
             max_concurrency: 64,
             max_queue: 256,
+            prefill_step_ratio: Limits::default().busy_step_ratio,
             max_body_bytes: 4 << 20,
             context: None,
             kv_bytes: None,
@@ -198,6 +206,9 @@ impl ServeArgs {
         if self.max_body_bytes == 0 {
             bail!("--max-body-bytes must be at least 1");
         }
+        if !(self.prefill_step_ratio.is_finite() && self.prefill_step_ratio >= 1.0) {
+            bail!("--prefill-step-ratio must be a number of at least 1, got {}", self.prefill_step_ratio);
+        }
         if self.context == Some(0) {
             bail!("--context must be at least 1");
         }
@@ -232,6 +243,7 @@ impl ServeArgs {
             served_model_name,
             max_concurrency: self.max_concurrency,
             max_queue: self.max_queue,
+            prefill_step_ratio: self.prefill_step_ratio,
             max_body_bytes: self.max_body_bytes,
             context: self.context,
             kv_bytes: self.kv_memory.as_deref().map(parse_size).transpose().context("--kv-memory")?,
@@ -339,7 +351,13 @@ pub fn load(cfg: &ServerConfig) -> Result<Loaded> {
         .kv_bytes
         .unwrap_or_else(|| crate::system::available_memory_bytes().map_or(Limits::default().kv_bytes, |b| b as usize));
     let models = Models { target: model, assistant, tokenizer, template: None };
-    let limits = Limits { max_active: cfg.max_concurrency, kv_bytes, step_delay: cfg.step_delay, ..Limits::default() };
+    let limits = Limits {
+        max_active: cfg.max_concurrency,
+        kv_bytes,
+        step_delay: cfg.step_delay,
+        busy_step_ratio: cfg.prefill_step_ratio,
+        ..Limits::default()
+    };
     let engine = Engine::start_observed(models, limits, Some(Box::new(metrics::step)));
     Ok(Loaded {
         engine,
