@@ -69,11 +69,8 @@ impl Costs {
     /// A step of `prompt_rows` prefill rows next to `logit_rows` rows that compute logits: what the
     /// prompt rows cost is what the step took beyond the logit rows' measured cost.
     pub fn record_prefill(&mut self, prompt_rows: usize, logit_rows: usize, seconds: f64) {
-        if prompt_rows == 0 {
-            return;
-        }
         // Alone, a chunk's cost is mostly reading the weights, not what its rows add.
-        if logit_rows == 0 {
+        if prompt_rows == 0 || logit_rows == 0 {
             return;
         }
         if let Some(base) = lookup_or_above(&self.forward, logit_rows) {

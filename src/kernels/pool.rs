@@ -122,25 +122,30 @@ pub(crate) fn in_region() -> bool {
     IN_REGION.with(|r| r.get())
 }
 
-/// `f` of every item in parallel, results in order: on the pool when it is free, on this thread
-/// inside a region, else on rayon's threads.
+/// `f(0)..f(n)` in parallel: on the pool when it is free, on this thread inside a region (or for a
+/// single task), else on rayon's threads.
+pub(crate) fn for_each(n: usize, f: &(dyn Fn(usize) + Sync + '_)) {
+    if run(n, f) {
+        return;
+    }
+    if in_region() || n <= 1 {
+        (0..n).for_each(f);
+    } else {
+        use rayon::prelude::*;
+        (0..n).into_par_iter().for_each(f);
+    }
+}
+
+/// `f` of every item in parallel (as [`for_each`]), results in order.
 pub(crate) fn map<T: Send, U: Send>(items: Vec<T>, f: impl Fn(T) -> U + Sync) -> Vec<U> {
     let n = items.len();
     let slots: Vec<Mutex<(Option<T>, Option<U>)>> = items.into_iter().map(|t| Mutex::new((Some(t), None))).collect();
-    let task = |i: usize| {
+    for_each(n, &|i: usize| {
         let mut slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
         if let Some(t) = slot.0.take() {
             slot.1 = Some(f(t));
         }
-    };
-    if !run(n, &task) {
-        if in_region() || n <= 1 {
-            (0..n).for_each(task);
-        } else {
-            use rayon::prelude::*;
-            (0..n).into_par_iter().for_each(task);
-        }
-    }
+    });
     slots.into_iter().map(|s| s.into_inner().unwrap_or_else(|e| e.into_inner()).1.expect("every task ran")).collect()
 }
 

@@ -4,7 +4,6 @@
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 use super::{pool, MatRef, Split};
-use rayon::prelude::*;
 use std::sync::Mutex;
 
 /// Thread chunks are multiples of this many weight rows, so that every tile height the kernels use
@@ -69,8 +68,8 @@ where
 }
 
 /// [`for_row_chunks`] for any matrix of `n` rows of `row_bytes` bytes and `k` columns: `f` gets the
-/// range of weight rows of its chunk. The chunks run on the spinning pool (`pool`) when it is free,
-/// else on rayon's.
+/// range of weight rows of its chunk. The chunks run through `pool::for_each`: on the spinning pool
+/// when it is free, on this thread inside a region, else on rayon's.
 pub(crate) fn for_row_ranges<F>(n: usize, row_bytes: usize, k: usize, m: usize, out: &mut [f32], split: Split, f: F)
 where
     F: Fn(std::ops::Range<usize>, &mut [&mut [f32]]) + Sync,
@@ -103,9 +102,7 @@ where
         let start = c * rows;
         f(start..n.min(start + rows), &mut outs);
     };
-    if !(pooled && pool::run(nchunks, &task)) {
-        (0..nchunks).into_par_iter().for_each(task);
-    }
+    pool::for_each(nchunks, &task);
 }
 
 /// x packed by [`pack_panels`]: `data()` starts on a 64-byte boundary.
