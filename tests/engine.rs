@@ -16,6 +16,13 @@ use tandem::engine::{Event, Handle, Limits, Models, Outcome, Prompt, Request, Sc
 use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
 
+/// The scheduler's limits with prompt chunks of a fixed size next to decoding sequences: the
+/// cost-based size depends on timing, and these tests choose the steps at which requests join and
+/// are cancelled.
+fn limits() -> Limits {
+    Limits { busy_step_ratio: f64::INFINITY, ..Limits::default() }
+}
+
 fn models(target: PathBuf, assistant: Option<PathBuf>) -> Models {
     Models {
         target: TargetModel::load(&target).unwrap(),
@@ -184,7 +191,7 @@ fn sixteen_requests_on_the_shipped_pair_equal_their_solo_runs() {
         let cancel = (i % 7 == 3).then_some(6 + i);
         cases.push(case(ids, opts(&m, 20 + (i % 5) * 6, sampling), draft, (i % 4) * 3, cancel));
     }
-    let limits = Limits { prefill_rows: 64, ..Limits::default() };
+    let limits = Limits { prefill_rows: 64, ..limits() };
     let mut s = Scheduler::new(&m, limits);
     let most = drive(&mut s, &mut cases);
     assert!(most > 8, "requests shared forwards (at most {most} rows per step)");
@@ -219,7 +226,7 @@ fn fixtures_with_moe_and_both_drafter_heads_equal_their_solo_runs() {
             // Prompts on both sides of the sliding window (8 tokens in the fixtures).
             cases.push(case(prompt(vocab, 3 + i * 5, i as u64 + 7), opts(&m, 12 + i, sampling), draft, i % 3, None));
         }
-        let mut s = Scheduler::new(&m, Limits { prefill_rows: 16, ..Limits::default() });
+        let mut s = Scheduler::new(&m, Limits { prefill_rows: 16, ..limits() });
         drive(&mut s, &mut cases);
         check(&m, &cases);
     }
@@ -233,7 +240,7 @@ fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
     let mut cases: Vec<Case> = (0..3)
         .map(|i| case(prompt(vocab, 5 + i, i as u64), opts(&m, 10, SamplingParams::default()), None, 0, None))
         .collect();
-    let mut s = Scheduler::new(&m, Limits { max_active: 2, ..Limits::default() });
+    let mut s = Scheduler::new(&m, Limits { max_active: 2, ..limits() });
     submit_all(&mut s, &mut cases);
     s.step();
     assert_eq!(s.load(), (1, 2), "two run, one waits");
@@ -242,13 +249,13 @@ fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
 
     // A budget that fits one reservation at a time serialises the requests.
     let one = {
-        let mut probe = Scheduler::new(&m, Limits { pool: 0, ..Limits::default() });
+        let mut probe = Scheduler::new(&m, Limits { pool: 0, ..limits() });
         let _h = probe.submit(request(&prompt(vocab, 8, 1), &opts(&m, 10, SamplingParams::default()), None)).unwrap();
         probe.step();
         probe.kv_in_use()
     };
     assert!(one > 0);
-    let mut s = Scheduler::new(&m, Limits { kv_bytes: one + one / 2, pool: 0, ..Limits::default() });
+    let mut s = Scheduler::new(&m, Limits { kv_bytes: one + one / 2, pool: 0, ..limits() });
     let mut cases: Vec<Case> =
         (0..3).map(|i| case(prompt(vocab, 8, 1 + i), opts(&m, 10, SamplingParams::default()), None, 0, None)).collect();
     submit_all(&mut s, &mut cases);
@@ -258,7 +265,7 @@ fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
     check(&m, &cases);
 
     // A request larger than the whole budget is refused at submission.
-    let mut s = Scheduler::new(&m, Limits { kv_bytes: one / 4, ..Limits::default() });
+    let mut s = Scheduler::new(&m, Limits { kv_bytes: one / 4, ..limits() });
     let e = s
         .submit(request(&prompt(vocab, 8, 1), &opts(&m, 10, SamplingParams::default()), None))
         .err()
@@ -272,7 +279,7 @@ fn a_finished_sequence_lends_its_prefix_to_the_next_request() {
     let m = models(shipped_dir().join("target"), Some(shipped_dir().join("assistant")));
     let p = heldout_prompts()[0].clone();
     let o = opts(&m, 16, SamplingParams::default());
-    let mut s = Scheduler::new(&m, Limits::default());
+    let mut s = Scheduler::new(&m, limits());
     let mut first = vec![case(p.clone(), o.clone(), Some(DraftLength::Fixed(3)), 0, None)];
     drive(&mut s, &mut first);
     // The next turn starts with the whole first exchange.
@@ -304,7 +311,7 @@ fn seeded_sampling_with_auto_under_load_keeps_the_plain_distribution() {
     let params = SamplingParams { temperature: 0.7, top_k: 6, ..SamplingParams::default() };
     let (m1, m2) = stats::exact_marginals(&m.target, &prompt, &params);
     let n = 2400;
-    let mut s = Scheduler::new(&m, Limits::default());
+    let mut s = Scheduler::new(&m, limits());
     let mut counts = (std::collections::HashMap::new(), std::collections::HashMap::new());
     let mut drafted = 0;
     for batch in 0..n / 24 {

@@ -168,6 +168,7 @@ pub struct Limits {
     /// prompt joins (docs/engine.md, "Prefill next to decoding").
     pub prefill_rows_busy: usize,
     /// See `prefill_rows_busy`; at least [`MIN_BUSY_PREFILL_ROWS`] prompt rows go into every step.
+    /// `f64::INFINITY`: always `prefill_rows_busy` (chunks that do not depend on timing).
     pub busy_step_ratio: f64,
     /// Bytes of K/V the sequences (and the pool of finished ones) may hold. A request reserves its prompt
     /// plus its `max_new_tokens` at admission and waits until that fits.
