@@ -934,6 +934,10 @@ pub struct ConcurrencyRow {
     pub aggregate_tokens_per_s: f64,
     /// Median over streams of (tokens after the first) / (time from first to last token).
     pub per_stream_decode_tokens_per_s: f64,
+    /// The same rates summed over the streams: decode throughput without the prompts' prefill before
+    /// each stream's first token (prefill of later arrivals during a stream's decoding still counts),
+    /// as llama-server's per-request `predicted_per_second` figures add up.
+    pub aggregate_decode_tokens_per_s: f64,
     pub ttft_ms_p50: f64,
     pub itl_ms_p50: f64,
     pub itl_ms_p99: f64,
@@ -961,22 +965,23 @@ impl ConcurrencyReport {
             self.model, self.prompt_tokens, self.new_tokens
         );
         let joins = self.rows.iter().any(|r| r.join_prompt > 0);
-        s += "streams  draft  aggregate tok/s  vs 1 stream  per-stream tok/s  TTFT ms  ITL p50 ms  ITL p99 ms  rows/step  accepted";
+        s += "streams  draft  aggregate tok/s  vs 1 stream  per-stream tok/s  decode tok/s  vs 1 stream  TTFT ms  ITL p50 ms  ITL p99 ms  rows/step  accepted";
         s += if joins { "  joiner  joiner TTFT ms\n" } else { "\n" };
+        // Without a plain single-stream row there is nothing to compare with.
+        let base = self.rows.iter().find(|b| b.concurrency == 1 && b.draft == "off" && b.join_prompt == 0);
+        let vs = |f: fn(&ConcurrencyRow) -> f64, r: &ConcurrencyRow| {
+            base.map_or("-".to_string(), |b| format!("{:.2}x", f(r) / f(b)))
+        };
         for r in &self.rows {
-            let base = self
-                .rows
-                .iter()
-                .find(|b| b.concurrency == 1 && b.draft == "off" && b.join_prompt == 0)
-                // Without a plain single-stream row there is nothing to compare with.
-                .map_or("-".to_string(), |b| format!("{:.2}x", r.aggregate_tokens_per_s / b.aggregate_tokens_per_s));
             s += &format!(
-                "{:>7}  {:>5}  {:>15.1}  {:>11}  {:>16.1}  {:>7.0}  {:>10.1}  {:>10.1}  {:>9.1}  {:>7.0}%",
+                "{:>7}  {:>5}  {:>15.1}  {:>11}  {:>16.1}  {:>12.1}  {:>11}  {:>7.0}  {:>10.1}  {:>10.1}  {:>9.1}  {:>7.0}%",
                 r.concurrency,
                 r.draft,
                 r.aggregate_tokens_per_s,
-                base,
+                vs(|r| r.aggregate_tokens_per_s, r),
                 r.per_stream_decode_tokens_per_s,
+                r.aggregate_decode_tokens_per_s,
+                vs(|r| r.aggregate_decode_tokens_per_s, r),
                 r.ttft_ms_p50,
                 r.itl_ms_p50,
                 r.itl_ms_p99,
@@ -1124,6 +1129,7 @@ fn concurrency_once(
         concurrency: c,
         draft: draft.map_or("off".into(), |d| d.to_string()),
         aggregate_tokens_per_s: total as f64 / wall,
+        aggregate_decode_tokens_per_s: per_stream.iter().sum(),
         per_stream_decode_tokens_per_s: percentile(per_stream, 0.5),
         ttft_ms_p50: percentile(arrivals.iter().filter_map(|a| a.first()).map(|t| t * 1e3).collect(), 0.5),
         itl_ms_p50: percentile(itl.clone(), 0.5),
