@@ -16,11 +16,11 @@ use tandem::engine::{Event, Handle, Limits, Models, Outcome, Prompt, Request, Sc
 use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
 
-/// The scheduler's limits with prompt chunks of a fixed size next to decoding sequences: the
-/// cost-based size depends on timing, and these tests choose the steps at which requests join and
-/// are cancelled.
+/// The scheduler's limits with prompt chunks of a fixed size next to decoding sequences (the first
+/// one `MIN_BUSY_PREFILL_ROWS`, then 32): the cost-based size depends on timing, and these tests
+/// choose the steps at which requests join and are cancelled.
 fn limits() -> Limits {
-    Limits { busy_step_ratio: f64::INFINITY, ..Limits::default() }
+    Limits { busy_step_ratio: f64::INFINITY, prefill_rows_busy: 32, ..Limits::default() }
 }
 
 fn models(target: PathBuf, assistant: Option<PathBuf>) -> Models {
@@ -230,6 +230,25 @@ fn fixtures_with_moe_and_both_drafter_heads_equal_their_solo_runs() {
         drive(&mut s, &mut cases);
         check(&m, &cases);
     }
+}
+
+#[test]
+fn a_burst_of_requests_is_prefilled_in_one_forward_and_then_decodes_together() {
+    let m = models(fixture_dir("t1-f32"), None);
+    let vocab = m.target.cfg.vocab_size;
+    let mut cases: Vec<Case> = (0..8)
+        .map(|i| case(prompt(vocab, 40 + i, 40 + i as u64), opts(&m, 6, SamplingParams::default()), None, 0, None))
+        .collect();
+    // The default limits: nothing decodes yet, so the whole burst (348 rows, more than one prompt's
+    // prefill chunk) fits the idle prefill budget.
+    let mut s = Scheduler::new(&m, Limits::default());
+    submit_all(&mut s, &mut cases);
+    let first = s.step();
+    assert_eq!((first.rows, first.sequences), ((40..48).sum(), 8), "every prompt in the first forward");
+    let second = s.step();
+    assert_eq!((second.rows, second.sequences), (8, 8), "all eight decode from the second step on");
+    drive(&mut s, &mut cases);
+    check(&m, &cases);
 }
 
 #[test]

@@ -160,15 +160,18 @@ impl Handle {
 pub struct Limits {
     /// Sequences decoding at once; more wait in the queue.
     pub max_active: usize,
-    /// Prompt rows all newcomers together may add to one step when no sequence is decoding.
+    /// Prompt rows all newcomers together may add to one step when no sequence is decoding: a burst of
+    /// requests arriving together is prefilled in one forward where it fits, so that they all start
+    /// decoding at once.
     pub prefill_rows: usize,
     /// The most prompt rows while other sequences decode. Within it, a step takes only as many as keep
     /// it under `busy_step_ratio` times the decoding rows' own cost (measured; the ratio grows with the
     /// number of newcomers per decoding sequence), so that running streams keep their pace while a long
-    /// prompt joins (docs/engine.md, "Prefill next to decoding").
+    /// prompt joins (docs/engine.md, "Prefill next to decoding"). Before a prompt row's cost is known,
+    /// [`MIN_BUSY_PREFILL_ROWS`].
     pub prefill_rows_busy: usize,
     /// See `prefill_rows_busy`; at least [`MIN_BUSY_PREFILL_ROWS`] prompt rows go into every step.
-    /// `f64::INFINITY`: always `prefill_rows_busy` (chunks that do not depend on timing).
+    /// `f64::INFINITY`: `prefill_rows_busy` once a prompt row was measured (chunks that do not depend on timing).
     pub busy_step_ratio: f64,
     /// Bytes of K/V the sequences (and the pool of finished ones) may hold. A request reserves its prompt
     /// plus its `max_new_tokens` at admission and waits until that fits.
@@ -183,8 +186,8 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_active: 64,
-            prefill_rows: PREFILL_CHUNK,
-            prefill_rows_busy: 32,
+            prefill_rows: IDLE_PREFILL_ROWS,
+            prefill_rows_busy: PREFILL_CHUNK,
             busy_step_ratio: 1.5,
             kv_bytes: 8 << 30,
             pool: 4,
@@ -305,6 +308,9 @@ const PROBE_IDLE_EVERY: usize = 32;
 /// Prompt rows a step next to decoding sequences takes at least, whatever the costs (see
 /// [`Limits::prefill_rows_busy`]): a joining prompt always advances.
 pub const MIN_BUSY_PREFILL_ROWS: usize = 8;
+/// [`Limits::prefill_rows`] by default: eight 128-token prompts, or four chunks of a single prompt's
+/// prefill (`PREFILL_CHUNK`), in one forward.
+pub const IDLE_PREFILL_ROWS: usize = 4 * PREFILL_CHUNK;
 const PROBE_LONGER_EVERY: usize = 16;
 
 struct Waiting {

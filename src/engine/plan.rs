@@ -83,13 +83,14 @@ impl Costs {
     /// the measured row counts, or, below the smallest one measured (sequences that draft never step
     /// with one row each), that one's cost: fewer rows cost no more. While no forward at all has been
     /// measured: 0, so that this step measures one (a prompt row's cost is measured against it); then
-    /// `max` until a prompt row's cost is known.
+    /// `min` until a prompt row's cost is known (a first chunk of `max` rows could cost the running
+    /// streams many steps' time at once).
     pub fn busy_prefill_rows(&self, logit_rows: usize, ratio: f64, min: usize, max: usize) -> usize {
         let Some(base) = lookup_or_above(&self.forward, logit_rows) else {
             return 0;
         };
         let Some(row) = self.prefill_row else {
-            return max;
+            return min.min(max);
         };
         if row <= 0.0 {
             return max;
@@ -261,17 +262,21 @@ mod tests {
     #[test]
     fn a_busy_step_takes_the_prompt_rows_its_cost_ratio_allows() {
         let mut c = Costs::default();
-        // No decoding step measured: none, so that this one is; then the configured maximum until a
-        // prompt row's cost is known.
+        // No decoding step measured: none, so that this one is; then the minimum until a prompt row's
+        // cost is known.
         assert_eq!(c.busy_prefill_rows(4, 2.0, 8, 32), 0);
         c.record_forward(4, 0.100);
-        assert_eq!(c.busy_prefill_rows(4, 2.0, 8, 32), 32);
+        assert_eq!(c.busy_prefill_rows(4, 2.0, 8, 32), 8);
+        assert_eq!(c.busy_prefill_rows(4, 2.0, 64, 32), 32);
         // 4 logit rows take 100 ms; a step with 16 prompt rows took 180 ms: 5 ms a prompt row.
         c.record_prefill(16, 4, 0.180);
         assert_eq!(c.busy_prefill_rows(4, 2.0, 8, 32), 20);
         assert_eq!(c.busy_prefill_rows(4, 1.5, 8, 32), 10);
         assert_eq!(c.busy_prefill_rows(4, 1.1, 8, 32), 8);
         assert_eq!(c.busy_prefill_rows(4, 9.0, 8, 32), 32);
+        // A burst of newcomers next to a few streams (a large ratio) takes big chunks up to the maximum.
+        assert_eq!(c.busy_prefill_rows(4, 4.5, 8, 256), 70);
+        assert_eq!(c.busy_prefill_rows(4, 20.0, 8, 256), 256);
         // Sequences that always draft never step with one row each: below the smallest row count
         // measured, its cost stands in.
         let mut d = Costs::default();
