@@ -1014,7 +1014,7 @@ fn concurrency_once(
     opts: &ConcurrencyOptions,
     draft: Option<crate::decode::draft_policy::DraftLength>,
     join_prompt: usize,
-    salt: u64,
+    rep: usize,
 ) -> Result<ConcurrencyRow> {
     use crate::engine::{Event, Limits, Prompt, Request, Scheduler};
     let vocab = models.target.cfg.vocab_size as u64;
@@ -1026,6 +1026,7 @@ fn concurrency_once(
         context_limit: models.target.cfg.max_position_embeddings,
     };
     let mut s = Scheduler::new(models, Limits { max_active: c + 1, pool: 0, ..Limits::default() });
+    let salt = rep as u64 * 1000;
     let t0 = Instant::now();
     let mut handles = Vec::new();
     for r in 0..c {
@@ -1033,7 +1034,9 @@ fn concurrency_once(
             0 => (0..opts.prompt_tokens as u64)
                 .map(|i| 3 + ((i * 7919 + (r as u64 + salt) * 104_729) % (vocab - 3)) as u32)
                 .collect(),
-            n => opts.prompts[(r + salt as usize) % n].iter().copied().take(opts.prompt_tokens).collect(),
+            // Each repetition takes the next prompts, so that every level sees several (one stream
+            // would otherwise always run the first) and acceptance is comparable across levels.
+            n => opts.prompts[(rep * c + r) % n].iter().copied().take(opts.prompt_tokens).collect(),
         };
         let req = Request {
             prompt: Prompt::Ids(ids),
@@ -1182,7 +1185,7 @@ pub fn run_concurrency(
                     rep + 1,
                     opts.repeats.max(1)
                 ));
-                runs[m].push(concurrency_once(models, c, opts, mode, join, rep as u64 * 1000)?);
+                runs[m].push(concurrency_once(models, c, opts, mode, join, rep)?);
             }
         }
         for mut r in runs {
