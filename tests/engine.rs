@@ -252,6 +252,48 @@ fn a_burst_of_requests_is_prefilled_in_one_forward_and_then_decodes_together() {
 }
 
 #[test]
+fn a_short_request_next_to_a_long_prompt_gets_its_first_token_early_but_the_long_one_advances() {
+    let m = models(fixture_dir("t1-f32"), None);
+    let vocab = m.target.cfg.vocab_size;
+    let first_token_after = |budget: usize| -> usize {
+        let mut cases = vec![
+            case(prompt(vocab, 200, 1), opts(&m, 5, SamplingParams::default()), None, 0, None),
+            case(prompt(vocab, 10, 2), opts(&m, 5, SamplingParams::default()), None, 0, None),
+        ];
+        let mut s = Scheduler::new(&m, Limits { prefill_rows: budget, ..limits() });
+        submit_all(&mut s, &mut cases);
+        let mut steps = 0;
+        let mut got = false;
+        while !got {
+            let r = s.step();
+            steps += 1;
+            if steps == 1 {
+                assert_eq!(r.rows, budget, "the whole budget is used");
+            }
+            while let Some(e) = cases[1].handle.as_ref().unwrap().try_recv() {
+                match e {
+                    Event::Tokens { ids, .. } => {
+                        got = true;
+                        cases[1].streamed.extend(ids);
+                    }
+                    Event::Done(o) => cases[1].outcome = Some(*o),
+                    Event::Error(e) => panic!("{e}"),
+                }
+            }
+        }
+        drive(&mut s, &mut cases);
+        check(&m, &cases);
+        steps
+    };
+    // 64 rows: the long prompt, admitted first, keeps 8; the short one takes its 10 and has its first
+    // token after the first step (in order of arrival it would wait for the 200 rows: 4 steps).
+    assert_eq!(first_token_after(64), 1);
+    // 12 rows: the long prompt's 8 go first every step, so the short one's 10 rows take three steps
+    // of 4 (shortest first alone would give it 10 in the first).
+    assert_eq!(first_token_after(12), 3);
+}
+
+#[test]
 fn the_queue_and_the_kv_budget_hold_requests_until_they_fit() {
     let m = models(fixture_dir("t1-f32"), None);
     let vocab = m.target.cfg.vocab_size;

@@ -136,6 +136,11 @@ impl Sequence {
         self.t_start = Instant::now();
     }
 
+    /// Prompt tokens not yet in the cache.
+    pub fn prefill_remaining(&self) -> usize {
+        self.prompt_len.saturating_sub(self.prefilled)
+    }
+
     /// The next prefill chunk (at most `max_rows` prompt tokens), to run with `Keep::Last`.
     pub fn prefill_chunk(&self, max_rows: usize) -> Vec<u32> {
         debug_assert_eq!(self.phase, Phase::Prefill);

@@ -300,6 +300,8 @@ struct Active<'m> {
     /// Log-probabilities already sent in `Tokens` events (the sequence records them when it absorbs a
     /// forward, before its tokens are committed).
     logprobs_sent: usize,
+    /// Its number in the order of admission.
+    admitted: u64,
 }
 
 /// `auto` rounds without drafting after which a sequence drafts one token, to refresh its estimates;
@@ -345,6 +347,8 @@ pub struct Scheduler<'m> {
     /// What every `auto` request taught about the drafter's acceptance: a new `auto` request starts from
     /// it instead of from nothing (a useless drafter is not re-tried by every request).
     shared_auto: DraftPolicy,
+    /// Requests admitted so far (each `Active` keeps its number: the order of arrival).
+    admitted: u64,
 }
 
 impl<'m> Scheduler<'m> {
@@ -357,6 +361,7 @@ impl<'m> Scheduler<'m> {
             pool: Vec::new(),
             costs: plan::Costs::default(),
             shared_auto: DraftLength::Auto.into(),
+            admitted: 0,
         }
     }
 
@@ -456,7 +461,9 @@ impl<'m> Scheduler<'m> {
                 idle_rounds: 0,
                 rounds: 0,
                 logprobs_sent: 0,
+                admitted: self.admitted,
             });
+            self.admitted += 1;
         }
     }
 
@@ -479,7 +486,7 @@ impl<'m> Scheduler<'m> {
         // Plan: prefill chunks within the step's budget, k for every sequence ready for a round.
         let ready = self.active.iter().filter(|a| a.seq.phase() == Phase::Ready).count();
         let prefilling = self.active.iter().filter(|a| a.seq.phase() == Phase::Prefill).count();
-        let mut budget = if ready > 0 {
+        let budget = if ready > 0 {
             // The decoding streams' pace weighs as much as the newcomers waiting for their first token:
             // with more newcomers than streams, the step may slow down in proportion.
             let l = &self.limits;
@@ -488,25 +495,19 @@ impl<'m> Scheduler<'m> {
         } else {
             self.limits.prefill_rows
         };
-        let mut plan: Vec<Option<(Vec<u32>, Keep)>> = Vec::with_capacity(self.active.len());
+        let mut plan: Vec<Option<(Vec<u32>, Keep)>> = vec![None; self.active.len()];
+        for (i, rows) in self.prefill_shares(budget) {
+            plan[i] = Some((self.active[i].seq.prefill_chunk(rows), Keep::Last));
+        }
         let mut auto = Vec::new();
         for (i, a) in self.active.iter_mut().enumerate() {
-            plan.push(match a.seq.phase() {
-                Phase::Prefill if budget > 0 => {
-                    let chunk = a.seq.prefill_chunk(budget);
-                    budget -= chunk.len();
-                    Some((chunk, Keep::Last))
-                }
-                Phase::Ready if a.policy.as_ref().is_some_and(|p| p.auto().is_some()) => {
-                    auto.push(i);
-                    None
-                }
+            match a.seq.phase() {
+                Phase::Ready if a.policy.as_ref().is_some_and(|p| p.auto().is_some()) => auto.push(i),
                 Phase::Ready => {
                     a.seq.plan(a.policy.as_mut());
-                    None
                 }
-                _ => None,
-            });
+                _ => {}
+            }
         }
         self.plan_auto(&auto);
 
@@ -645,6 +646,33 @@ impl<'m> Scheduler<'m> {
 
     /// Choose the k of every `auto` sequence in `auto` together (see `plan`), given what else the step
     /// holds; before the costs are known, each sequence's own policy chooses.
+    /// How a step's `budget` of prompt rows is shared among the prefilling sequences: `(index, rows)`.
+    /// The prompts with the least left go first, so that a short request arriving next to a long prompt
+    /// gets its first token without waiting for all of that prompt (and then decodes while the rest of
+    /// it goes in chunks); but the earliest admitted of them always gets a share
+    /// ([`MIN_BUSY_PREFILL_ROWS`]), so that a stream of short requests cannot hold a long one back for
+    /// ever. Chunking never changes a result (docs/engine.md).
+    fn prefill_shares(&self, budget: usize) -> Vec<(usize, usize)> {
+        let mut order: Vec<usize> =
+            (0..self.active.len()).filter(|&i| self.active[i].seq.phase() == Phase::Prefill).collect();
+        let Some(&oldest) = order.iter().min_by_key(|&&i| self.active[i].admitted) else {
+            return Vec::new();
+        };
+        // Stable: equal remainders in order of admission.
+        order.sort_by_key(|&i| (self.active[i].seq.prefill_remaining(), self.active[i].admitted));
+        let mut shares = vec![0usize; self.active.len()];
+        let mut left = budget;
+        let first = MIN_BUSY_PREFILL_ROWS.min(left).min(self.active[oldest].seq.prefill_remaining());
+        shares[oldest] = first;
+        left -= first;
+        for &i in &order {
+            let take = left.min(self.active[i].seq.prefill_remaining() - shares[i]);
+            shares[i] += take;
+            left -= take;
+        }
+        order.into_iter().filter(|&i| shares[i] > 0).map(|i| (i, shares[i])).collect()
+    }
+
     fn plan_auto(&mut self, auto: &[usize]) {
         if auto.is_empty() {
             return;
