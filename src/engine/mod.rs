@@ -160,9 +160,10 @@ impl Handle {
 pub struct Limits {
     /// Sequences decoding at once; more wait in the queue.
     pub max_active: usize,
-    /// Prompt rows all newcomers together may add to one step when no sequence is decoding: a burst of
-    /// requests arriving together is prefilled in one forward where it fits, so that they all start
-    /// decoding at once.
+    /// Prompt rows all newcomers together may add to one step when no sequence is decoding, and at most
+    /// `PREFILL_CHUNK` (256) per newcomer: a burst of requests arriving together is prefilled in one
+    /// forward where it fits, so that they all start decoding at once, while a single long prompt goes
+    /// in steps of 256 rows.
     pub prefill_rows: usize,
     /// The most prompt rows while other sequences decode. Within it, a step takes only as many as keep
     /// it under `busy_step_ratio` times the decoding rows' own cost (measured; the ratio grows with the
@@ -310,8 +311,8 @@ const PROBE_IDLE_EVERY: usize = 32;
 /// Prompt rows a step next to decoding sequences takes at least, whatever the costs (see
 /// [`Limits::prefill_rows_busy`]): a joining prompt always advances.
 pub const MIN_BUSY_PREFILL_ROWS: usize = 8;
-/// [`Limits::prefill_rows`] by default: eight 128-token prompts, or four chunks of a single prompt's
-/// prefill (`PREFILL_CHUNK`), in one forward.
+/// [`Limits::prefill_rows`] by default: eight 128-token prompts, or four newcomers' prompt chunks
+/// (`PREFILL_CHUNK`), in one forward.
 pub const IDLE_PREFILL_ROWS: usize = 4 * PREFILL_CHUNK;
 const PROBE_LONGER_EVERY: usize = 16;
 
@@ -493,7 +494,9 @@ impl<'m> Scheduler<'m> {
             let ratio = l.busy_step_ratio * (prefilling as f64 / ready as f64).max(1.0);
             self.costs.busy_prefill_rows(ready, ratio, MIN_BUSY_PREFILL_ROWS, l.prefill_rows_busy)
         } else {
-            self.limits.prefill_rows
+            // One prompt chunk per newcomer: a burst is prefilled together, while a single long prompt
+            // goes in steps short enough that a request arriving meanwhile is admitted soon.
+            self.limits.prefill_rows.min(PREFILL_CHUNK.saturating_mul(prefilling.max(1)))
         };
         let mut plan: Vec<Option<(Vec<u32>, Keep)>> = vec![None; self.active.len()];
         for (i, rows) in self.prefill_shares(budget) {
