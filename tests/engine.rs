@@ -265,6 +265,7 @@ fn a_short_request_next_to_a_long_prompt_gets_its_first_token_early_but_the_long
         let mut steps = 0;
         let mut got = false;
         while !got {
+            assert!(steps < 100, "the short request never got a token");
             let r = s.step();
             steps += 1;
             if steps == 1 {

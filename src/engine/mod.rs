@@ -647,8 +647,6 @@ impl<'m> Scheduler<'m> {
         report
     }
 
-    /// Choose the k of every `auto` sequence in `auto` together (see `plan`), given what else the step
-    /// holds; before the costs are known, each sequence's own policy chooses.
     /// How a step's `budget` of prompt rows is shared among the prefilling sequences: `(index, rows)`.
     /// The prompts with the least left go first, so that a short request arriving next to a long prompt
     /// gets its first token without waiting for all of that prompt (and then decodes while the rest of
@@ -676,6 +674,8 @@ impl<'m> Scheduler<'m> {
         order.into_iter().filter(|&i| shares[i] > 0).map(|i| (i, shares[i])).collect()
     }
 
+    /// Choose the k of every `auto` sequence in `auto` together (see `plan`), given what else the step
+    /// holds; before the costs are known, each sequence's own policy chooses.
     fn plan_auto(&mut self, auto: &[usize]) {
         if auto.is_empty() {
             return;
