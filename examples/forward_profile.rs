@@ -1,33 +1,46 @@
 //! A target forward over R rows, repeated: for `perf record` / `valgrind --tool=callgrind` of one
 //! step without the rest of a run around it.
 //!
-//! cargo run --release --example forward_profile -- MODEL_DIR [ROWS] [ITERATIONS]
+//! cargo run --release --example forward_profile -- MODEL_DIR [ROWS] [ITERATIONS] [SEQUENCES]
 //!
-//! Prefills 128 tokens, then runs ITERATIONS forwards of ROWS tokens (each rolled back) and prints
-//! the median time of one.
+//! Prefills 128 tokens into each of SEQUENCES caches (default 1), then runs ITERATIONS forwards of
+//! ROWS tokens per sequence, all sequences in one batched forward as the engine steps them (each
+//! rolled back), and prints the median time of one.
 
 use std::time::Instant;
-use tandem::model::{Keep, TargetModel};
+use tandem::model::{Keep, SeqInput, TargetModel};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let dir = args.first().ok_or_else(|| anyhow::anyhow!("usage: forward_profile MODEL_DIR [ROWS] [ITERATIONS]"))?;
+    let usage = "usage: forward_profile MODEL_DIR [ROWS] [ITERATIONS] [SEQUENCES]";
+    let dir = args.first().ok_or_else(|| anyhow::anyhow!(usage))?;
     let rows: usize = args.get(1).map_or(Ok(1), |s| s.parse())?;
     let iters: usize = args.get(2).map_or(Ok(20), |s| s.parse())?;
+    let n_seqs: usize = args.get(3).map_or(Ok(1), |s| s.parse())?;
+    anyhow::ensure!(rows > 0 && iters > 0 && n_seqs > 0, "{usage}: every count must be positive");
     let model = TargetModel::load(std::path::Path::new(dir))?;
     let vocab = model.cfg.vocab_size as u32;
-    let prompt: Vec<u32> = (0..128u32).map(|i| 3 + (i * 7919) % (vocab - 3)).collect();
-    let mut cache = model.new_cache();
-    tandem::decode::generate::prefill(&model, &mut cache, &prompt, &mut Default::default())?;
+    let mut caches = Vec::with_capacity(n_seqs);
+    for s in 0..n_seqs as u32 {
+        let prompt: Vec<u32> = (0..128u32).map(|i| 3 + (i * 7919 + s * 104_729) % (vocab - 3)).collect();
+        let mut cache = model.new_cache();
+        tandem::decode::generate::prefill(&model, &mut cache, &prompt, &mut Default::default())?;
+        caches.push(cache);
+    }
     let toks: Vec<u32> = (0..rows as u32).map(|i| 100 + i).collect();
     let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
+        let mut seqs: Vec<SeqInput<'_>> =
+            caches.iter_mut().map(|cache| SeqInput { cache, tokens: &toks, keep: Keep::All }).collect();
         let t = Instant::now();
-        model.forward(&mut cache, &toks, Keep::All)?;
+        model.forward_batch(&mut seqs)?;
         times.push(t.elapsed().as_secs_f64());
-        cache.rollback(rows)?;
+        drop(seqs);
+        for cache in caches.iter_mut() {
+            cache.rollback(rows)?;
+        }
     }
     times.sort_by(f64::total_cmp);
-    println!("{rows} rows: {:.3} ms per forward (median of {iters})", times[iters / 2] * 1e3);
+    println!("{n_seqs} x {rows} rows: {:.3} ms per forward (median of {iters})", times[iters / 2] * 1e3);
     Ok(())
 }

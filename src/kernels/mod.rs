@@ -596,10 +596,19 @@ pub fn matmul_gather<'a>(x: &[f32], w: impl Into<Weight<'a>>, ids: &[u32], out: 
     let w = w.into();
     assert_eq!(ids.len(), out.len(), "matmul_gather output size");
     let row = w.row_bytes();
-    let mut block = Vec::with_capacity(ids.len() * row);
-    for &id in ids {
-        let at = id as usize * row;
-        block.extend_from_slice(&w.data()[at..at + row]);
+    thread_local! {
+        /// The gathered rows, kept from call to call: a draft step gathers the same amount each time
+        /// (hundreds of KiB for a real drafter), and a fresh buffer every time costs page faults.
+        static BLOCK: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    matmul(x, 1, w.with_data(ids.len(), &block), out);
+    BLOCK.with(|b| {
+        let mut block = b.take();
+        block.clear();
+        for &id in ids {
+            let at = id as usize * row;
+            block.extend_from_slice(&w.data()[at..at + row]);
+        }
+        matmul(x, 1, w.with_data(ids.len(), &block), out);
+        b.replace(block);
+    });
 }

@@ -274,21 +274,26 @@ impl Assistant {
         let mut x = vec![0f32; n * t.hidden_size];
         kernels::matmul(&u, n, self.pre_proj.mat(), &mut x);
         dt.round_slice(&mut x);
+        // RoPE's cos and sin per row, once per layer type (they depend only on the position).
+        let has = |kind: LayerType| self.layers.iter().any(|l| l.kind == kind);
+        let table = |kind: LayerType, rope: &Rope| has(kind).then(|| rope.angles_of(rows.iter().map(|r| r.p), dt));
+        let (angles_sliding, angles_full) =
+            (table(LayerType::Sliding, &self.rope_sliding), table(LayerType::Full, &self.rope_full));
         for layer in &self.layers {
-            let rope = match layer.kind {
-                LayerType::Sliding => &self.rope_sliding,
-                LayerType::Full => &self.rope_full,
+            let (rope, angles) = match layer.kind {
+                LayerType::Sliding => (&self.rope_sliding, &angles_sliding),
+                LayerType::Full => (&self.rope_full, &angles_full),
             };
+            let angles = angles.as_ref().expect("a table for every layer type the drafter has");
             let d = rows[0].kv(layer.kind).head_dim;
             let a = norm_rows(&x, n, &layer.input_norm, eps, dt);
             let mut q = vec![0f32; n * hq * d];
             kernels::matmul(&a, n, layer.q.mat(), &mut q);
             dt.round_slice(&mut q);
             norm_heads(&mut q, d, Some(&layer.q_norm), eps, dt);
-            let (mut cos, mut sin) = (vec![0f32; d / 2], vec![0f32; d / 2]);
-            for (qr, r) in q.chunks_exact_mut(hq * d).zip(rows) {
-                rope.angles(r.p, dt, &mut cos, &mut sin);
-                rope.apply(qr, &cos, &sin, dt);
+            for (i, qr) in q.chunks_exact_mut(hq * d).enumerate() {
+                let (cos, sin) = angles.row(i);
+                rope.apply(qr, cos, sin, dt);
             }
             // No causal mask: every donor key is in the past. Sliding layers keep W+1 of them
             // (docs/drafter.md, "Which target K/V it reads").

@@ -43,6 +43,20 @@ impl Rope {
         }
     }
 
+    /// [`Rope::angles`] of each of `positions`, computed once for every layer of this type (and for
+    /// both q and k): row `i` of the result belongs to `positions[i]`.
+    pub fn angles_of(&self, positions: impl IntoIterator<Item = usize>, dtype: DType) -> Angles {
+        let half = self.inv_freq.len();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for pos in positions {
+            let at = cos.len();
+            cos.resize(at + half, 0.0);
+            sin.resize(at + half, 0.0);
+            self.angles(pos, dtype, &mut cos[at..], &mut sin[at..]);
+        }
+        Angles { half, cos, sin }
+    }
+
     /// Rotate every head of `x` (`[heads, D]`) in place: `x·cos + rotate_half(x)·sin`, each product and
     /// the sum rounded to the model dtype as transformers does in bf16.
     pub fn apply(&self, x: &mut [f32], cos: &[f32], sin: &[f32], dtype: DType) {
@@ -74,6 +88,22 @@ impl Rope {
     }
 }
 
+/// cos and sin for a list of positions ([`Rope::angles_of`]).
+#[derive(Clone, Debug)]
+pub struct Angles {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl Angles {
+    /// cos and sin of the `i`-th position.
+    pub fn row(&self, i: usize) -> (&[f32], &[f32]) {
+        let at = i * self.half..(i + 1) * self.half;
+        (&self.cos[at.clone()], &self.sin[at])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,5 +125,18 @@ mod tests {
             assert_eq!(x[j + 16], before[j + 16]);
         }
         assert_ne!(x[0], before[0]);
+    }
+
+    #[test]
+    fn angles_of_matches_angles_position_by_position() {
+        let cfg = RopeConfig { kind: RopeKind::Default, theta: 1e4, factor: 1.0 };
+        let r = Rope::new(&cfg, 16);
+        let positions = [0usize, 5, 6, 4095, 3];
+        let table = r.angles_of(positions, DType::BF16);
+        for (i, &p) in positions.iter().enumerate() {
+            let (mut c, mut s) = (vec![0.0; 8], vec![0.0; 8]);
+            r.angles(p, DType::BF16, &mut c, &mut s);
+            assert_eq!(table.row(i), (&c[..], &s[..]), "position {p}");
+        }
     }
 }

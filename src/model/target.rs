@@ -13,7 +13,7 @@ use crate::config::{load_model_config, KvMode, LayerType, TextConfig};
 use crate::kernels::{self, DType};
 use crate::model::cache::KvCache;
 use crate::model::ops::{add_normed, attend, gelu_mlp, norm_heads, norm_rows};
-use crate::model::rope::Rope;
+use crate::model::rope::{Angles, Rope};
 use crate::quantize::Recipe;
 use crate::weights::{Tensor, WeightStore};
 
@@ -58,6 +58,38 @@ pub struct SeqInput<'a> {
     pub cache: &'a mut KvCache,
     pub tokens: &'a [u32],
     pub keep: Keep,
+}
+
+/// RoPE's cos and sin for every row of a batched forward, computed once per layer type and shared by
+/// all its layers, q and k alike (they depend only on the position).
+struct RowAngles {
+    sliding: Option<Angles>,
+    full: Option<Angles>,
+    /// Per sequence: the table row of its first row, and that row's position.
+    first: Vec<(usize, usize)>,
+}
+
+impl RowAngles {
+    fn new(model: &TargetModel, spans: &[Span]) -> RowAngles {
+        let positions = || spans.iter().flat_map(|sp| sp.pos..sp.pos + sp.rows);
+        let has = |kind: LayerType| model.cfg.layers.iter().any(|l| l.kind == kind);
+        let table = |kind: LayerType, rope: &Rope| has(kind).then(|| rope.angles_of(positions(), model.dtype));
+        RowAngles {
+            sliding: table(LayerType::Sliding, &model.rope_sliding),
+            full: table(LayerType::Full, &model.rope_full),
+            first: spans.iter().map(|sp| (sp.at, sp.pos)).collect(),
+        }
+    }
+
+    /// cos and sin at `pos` for sequence `seq`, for a layer of type `kind`.
+    fn row(&self, kind: LayerType, seq: usize, pos: usize) -> (&[f32], &[f32]) {
+        let table = match kind {
+            LayerType::Sliding => &self.sliding,
+            LayerType::Full => &self.full,
+        };
+        let (at, first) = self.first[seq];
+        table.as_ref().expect("a table for every layer type the model has").row(at + pos - first)
+    }
 }
 
 /// Where one sequence's rows sit in the buffers of a batched forward.
@@ -385,6 +417,7 @@ impl TargetModel {
             _ => self.ple_inputs(&seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(), &h),
         };
         let ple_width = cfg.ple.map_or(0, |p| cfg.num_layers() * p.dim);
+        let angles = RowAngles::new(self, &spans);
 
         // Reuse layers never write the cache, so past the first reuse layer only the rows whose outputs are
         // wanted need to run: there, each `Keep::Last` sequence keeps its last row only.
@@ -408,7 +441,7 @@ impl TargetModel {
                     pin.truncate(n * ple_width);
                 }
             }
-            self.attention_block(li, layer, seqs, &spans, &mut h, n);
+            self.attention_block(li, layer, seqs, &spans, &angles, &mut h);
             self.mlp_block(layer, &mut h, n);
             if let (Some(lp), Some(pin), Some(pc)) = (&layer.ple, ple_in.as_ref(), cfg.ple) {
                 self.ple_block(li, lp, pc.dim, pin, &mut h, n);
@@ -495,32 +528,32 @@ impl TargetModel {
         Some(ctx)
     }
 
-    /// `h += post_attn_norm(o_proj(attention(input_norm(h))))` over the `rows` rows of all sequences
-    /// (`spans` says where each sequence's rows sit and at which position they start): projections over
-    /// all rows at once, RoPE at each row's position, cache append and attention per sequence.
+    /// `h += post_attn_norm(o_proj(attention(input_norm(h))))` over the rows of all sequences (`spans`
+    /// says where each sequence's rows sit and at which position they start, `angles` holds RoPE's cos
+    /// and sin for them): projections over all rows at once, RoPE at each row's position, cache append
+    /// and attention per sequence.
     fn attention_block(
         &self,
         li: usize,
         layer: &Layer,
         seqs: &mut [SeqInput<'_>],
         spans: &[Span],
+        angles: &RowAngles,
         h: &mut [f32],
-        rows: usize,
     ) {
         let cfg = &self.cfg;
         let lc = &cfg.layers[li];
+        let rows = h.len() / cfg.hidden_size;
         let (h_dim, d, hq, kvh, dt, eps) =
             (cfg.hidden_size, lc.head_dim, cfg.num_heads, lc.kv_heads, self.dtype, cfg.rms_norm_eps);
         let a = norm_rows(h, rows, &layer.input_norm, eps, dt);
         let rope = if lc.kind == LayerType::Sliding { &self.rope_sliding } else { &self.rope_full };
-        let mut cos = vec![0f32; d / 2];
-        let mut sin = vec![0f32; d / 2];
         // Apply RoPE to every row of `x` (`[rows, width]`) at that row's own position.
-        let mut rope_rows = |x: &mut [f32], width: usize| {
-            for sp in spans {
+        let rope_rows = |x: &mut [f32], width: usize| {
+            for (i, sp) in spans.iter().enumerate() {
                 for r in 0..sp.rows {
-                    rope.angles(sp.pos + r, dt, &mut cos, &mut sin);
-                    rope.apply(&mut x[(sp.at + r) * width..(sp.at + r + 1) * width], &cos, &sin, dt);
+                    let (cos, sin) = angles.row(lc.kind, i, sp.pos + r);
+                    rope.apply(&mut x[(sp.at + r) * width..(sp.at + r + 1) * width], cos, sin, dt);
                 }
             }
         };
