@@ -100,7 +100,10 @@ pub fn attend(
     let threads = rayon::current_num_threads();
     let mut sub = group;
     let long = keys(rows.saturating_sub(1)).len() * d >= LONG_KEYS;
-    while !long && blocks * (hq / sub) < threads && sub.is_multiple_of(2) {
+    // Work this small runs on this thread (below), where one task per KV head does it in fewer calls.
+    let work_size = rows * hq * keys(rows.saturating_sub(1)).len() * d;
+    let parallel = work_size > 1 << 16;
+    while parallel && !long && blocks * (hq / sub) < threads && sub.is_multiple_of(2) {
         sub /= 2;
     }
     let tasks: Vec<(usize, usize)> =
@@ -140,12 +143,8 @@ pub fn attend(
         dt.round_slice(&mut o);
         o
     };
-    let work_size = rows * hq * keys(rows.saturating_sub(1)).len() * d;
-    let results: Vec<Vec<f32>> = if work_size > 1 << 16 {
-        kernels::par_map(tasks.iter().collect(), work)
-    } else {
-        tasks.iter().map(work).collect()
-    };
+    let results: Vec<Vec<f32>> =
+        if parallel { kernels::par_map(tasks.iter().collect(), work) } else { tasks.iter().map(work).collect() };
     for (&(r0, h0), o) in tasks.iter().zip(&results) {
         for (i, oi) in o.chunks_exact(sub * d).enumerate() {
             out[((r0 + i) * hq + h0) * d..][..sub * d].copy_from_slice(oi);
