@@ -7,7 +7,7 @@
 //! Note that `vdpbf16ps` treats denormal inputs as zero and flushes denormal results; bf16 values that
 //! small (< 1.2e-38) do not occur in practice, and the tests' tolerance covers the difference.
 
-use super::avx512::{acc_finish, acc_load, acc_storage, plan, round_bf16_bits, shapes, Acc};
+use super::avx512::{acc_finish, acc_load, acc_storage, hsum4, plan, round_bf16_bits, shapes, Acc};
 use super::tiling::{pack_panels, Tile};
 use super::x86::{drive, Prefetch};
 use super::{DType, MatRef, Split};
@@ -84,4 +84,51 @@ unsafe fn tile<const R: usize, const C: usize>(
         step!(p => _mm512_maskz_loadu_epi16(mask, p as *const i16));
     }
     acc_finish(t, &a, acc)
+}
+
+/// `out[i] = x · w[ids[i]]` for one activation row, reading each weight row where it is stored (the
+/// drafter's centroid head: its candidates are scattered over the embedding). Every row gets the bits
+/// `matmul` gives it: its lanes accumulate over K in the same 32-element steps from zero, and the
+/// lanes are summed by the same tree.
+pub fn gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32]) {
+    assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
+    assert_eq!(w.dtype, DType::BF16);
+    assert!(x.len() == w.cols && ids.len() == out.len(), "gather shapes");
+    assert!(ids.iter().all(|&id| (id as usize) < w.rows), "gather: a row id past the matrix");
+    // SAFETY: the CPU has the features, asserted above.
+    let xp = pack_panels(x, 1, w.cols, 32, 1, |src, dst| unsafe { pack_bf16(src, dst) });
+    // SAFETY: as above; `xp` holds x rounded up to whole steps and every id is a row of `w`.
+    unsafe { gather_rows(xp.data().as_ptr(), w, ids, out) }
+}
+
+/// # Safety
+/// AVX-512 F/BW/VL + BF16; `x` is a one-row `pack_bf16` panel covering `w.cols`; every id < `w.rows`.
+#[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
+unsafe fn gather_rows(x: *const u16, w: MatRef, ids: &[u32], out: &mut [f32]) {
+    /// Rows ahead whose bytes are prefetched.
+    const AHEAD: usize = 8;
+    let (k, rb, base) = (w.cols, w.cols * 2, w.data.as_ptr());
+    let row = |id: u32| base.add(id as usize * rb);
+    for (i, (group, res)) in ids.chunks(4).zip(out.chunks_mut(4)).enumerate() {
+        for &ahead in ids.iter().skip(4 * i + AHEAD).take(4) {
+            let p = row(ahead);
+            for line in (0..rb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(p.add(line) as *const i8);
+            }
+        }
+        let mut a = [_mm512_setzero_ps(); 4];
+        let mut kk = 0;
+        while kk < k {
+            let mask = if k - kk >= 32 { u32::MAX } else { (1u32 << (k - kk)) - 1 };
+            let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(kk) as *const _));
+            for (acc, &id) in a.iter_mut().zip(group) {
+                let wv = _mm512_maskz_loadu_epi16(mask, row(id).add(kk * 2) as *const i16);
+                *acc = _mm512_dpbf16_ps(*acc, xv, std::mem::transmute::<__m512i, __m512bh>(wv));
+            }
+            kk += 32;
+        }
+        let mut sums = [0f32; 4];
+        _mm_storeu_ps(sums.as_mut_ptr(), hsum4(a[0], a[1], a[2], a[3]));
+        res.copy_from_slice(&sums[..res.len()]);
+    }
 }

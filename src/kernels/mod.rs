@@ -595,6 +595,12 @@ pub fn argmax(x: &[f32]) -> usize {
 pub fn matmul_gather<'a>(x: &[f32], w: impl Into<Weight<'a>>, ids: &[u32], out: &mut [f32]) {
     let w = w.into();
     assert_eq!(ids.len(), out.len(), "matmul_gather output size");
+    #[cfg(target_arch = "x86_64")]
+    if let (Isa::Avx512Bf16, Weight::Float(f)) = (isa(), &w) {
+        if f.dtype == DType::BF16 {
+            return avx512bf16::gather(x, *f, ids, out);
+        }
+    }
     let row = w.row_bytes();
     thread_local! {
         /// The gathered rows, kept from call to call instead of allocated for each: every draft step

@@ -223,6 +223,39 @@ fn matmul_is_bit_exact_across_threads_and_batch() {
     }
 }
 
+#[test]
+fn gathered_rows_have_the_bits_of_the_matmul_over_them() {
+    // The drafter's centroid head takes a few hundred scattered embedding rows; each must get what
+    // a matmul over those rows, copied together, gives it (and so what the full matrix gives it).
+    let mut rng = Rng(11);
+    for (dtype, rows, cols) in
+        [(DType::BF16, 300, 128), (DType::BF16, 97, 100), (DType::BF16, 50, 40), (DType::F32, 97, 100)]
+    {
+        let w = Weights::random(&mut rng, dtype, rows, cols);
+        let x = rng.vec(cols, 1.0);
+        for n in [1usize, 3, 4, 9, 130] {
+            let ids: Vec<u32> = (0..n).map(|_| (rng.next() % rows as u64) as u32).collect();
+            let mut got = vec![0f32; n];
+            matmul_gather(&x, w.mat(), &ids, &mut got);
+            let mut full = vec![0f32; rows];
+            matmul(&x, 1, w.mat(), &mut full);
+            for (i, &id) in ids.iter().enumerate() {
+                assert_eq!(got[i].to_bits(), full[id as usize].to_bits(), "{dtype:?} {rows}x{cols}, {n} ids: id {id}");
+            }
+            #[cfg(target_arch = "x86_64")]
+            if dtype == DType::BF16 && avx512bf16::supported() {
+                let mut direct = vec![0f32; n];
+                avx512bf16::gather(&x, w.mat(), &ids, &mut direct);
+                let mut full = vec![0f32; rows];
+                matmul_with(Isa::Avx512Bf16, &x, 1, w.mat(), &mut full);
+                for (i, &id) in ids.iter().enumerate() {
+                    assert_eq!(direct[i].to_bits(), full[id as usize].to_bits(), "avx512bf16 {rows}x{cols}: id {id}");
+                }
+            }
+        }
+    }
+}
+
 const LENS: [usize; 12] = [0, 1, 7, 8, 15, 16, 17, 33, 100, 256, 512, 1001];
 
 #[test]
