@@ -17,9 +17,27 @@ pub fn supported() -> bool {
     super::avx512::supported() && is_x86_feature_detected!("avx512bf16")
 }
 
+/// One activation row against a small matrix with short rows (a drafter's: K of 128-512, at most
+/// 256 KiB) goes through `dot_rows` rather than the tile driver: with a few kernel steps per tile, the
+/// driver's work per tile (accumulator set-up, prefetch plan, stores) costs as much as the steps.
+/// Larger matrices keep the driver, whose prefetching streams them from memory.
+const SHORT_K: usize = 512;
+const SHORT_BYTES: usize = 256 << 10;
+
 pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
     assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
     assert_eq!(w.dtype, DType::BF16);
+    if m == 1 && w.cols <= SHORT_K && w.data.len() <= SHORT_BYTES {
+        // SAFETY: the CPU has the features, asserted above.
+        let xp = pack_panels(x, 1, w.cols, 32, 1, |src, dst| unsafe { pack_bf16(src, dst) });
+        let xs = xp.data();
+        super::tiling::for_row_chunks(w, 1, out, split, |wc, outs| {
+            let (rb, base) = (wc.cols * 2, wc.data.as_ptr());
+            // SAFETY: as above; the panel covers K, and rows 0..wc.rows of the chunk are in `wc.data`.
+            unsafe { dot_rows(xs.as_ptr(), wc.cols, wc.rows, |i| base.add(i * rb), &mut *outs[0]) }
+        });
+        return;
+    }
     let plan = plan(m, w.cols, false, 32, 2, 2);
     // SAFETY: the CPU has the features, asserted above.
     let xp = pack_panels(x, m, w.cols, 32, plan.group, |src, dst| unsafe { pack_bf16(src, dst) });
@@ -88,8 +106,7 @@ unsafe fn tile<const R: usize, const C: usize>(
 
 /// `out[i] = x · w[ids[i]]` for one activation row, reading each weight row where it is stored (the
 /// drafter's centroid head: its candidates are scattered over the embedding). Every row gets the bits
-/// `matmul` gives it: its lanes accumulate over K in the same 32-element steps from zero, and the
-/// lanes are summed by the same tree.
+/// `matmul` gives it (see `dot_rows`).
 pub fn gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32]) {
     assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
     assert_eq!(w.dtype, DType::BF16);
@@ -97,22 +114,28 @@ pub fn gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32]) {
     assert!(ids.iter().all(|&id| (id as usize) < w.rows), "gather: a row id past the matrix");
     // SAFETY: the CPU has the features, asserted above.
     let xp = pack_panels(x, 1, w.cols, 32, 1, |src, dst| unsafe { pack_bf16(src, dst) });
+    let (rb, base) = (w.cols * 2, w.data.as_ptr());
     // SAFETY: as above; `xp` holds x rounded up to whole steps and every id is a row of `w`.
-    unsafe { gather_rows(xp.data().as_ptr(), w, ids, out) }
+    unsafe { dot_rows(xp.data().as_ptr(), w.cols, ids.len(), |i| base.add(ids[i] as usize * rb), out) }
 }
 
+/// `out[i] = x · row(i)` for one activation row and `n` weight rows of `k` bf16, four rows at a time.
+/// A row gets the bits the tile kernel gives it in any tile: its lanes accumulate over K in the same
+/// 32-element steps from zero, and `hsum4` sums them by the same tree (each vector on its own).
+///
 /// # Safety
-/// AVX-512 F/BW/VL + BF16; `x` is a one-row `pack_bf16` panel covering `w.cols`; every id < `w.rows`.
+/// AVX-512 F/BW/VL + BF16; `x` is a one-row `pack_bf16` panel covering `k`; `row(i)` points at `k`
+/// readable bf16 for every `i < n`; `out.len() == n`.
 #[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
-unsafe fn gather_rows(x: *const u16, w: MatRef, ids: &[u32], out: &mut [f32]) {
+unsafe fn dot_rows(x: *const u16, k: usize, n: usize, row: impl Fn(usize) -> *const u8, out: &mut [f32]) {
     /// Rows ahead whose bytes are prefetched.
     const AHEAD: usize = 8;
-    let (k, rb, base) = (w.cols, w.cols * 2, w.data.as_ptr());
-    let row = |id: u32| base.add(id as usize * rb);
-    for (i, (group, res)) in ids.chunks(4).zip(out.chunks_mut(4)).enumerate() {
-        for &ahead in ids.iter().skip(4 * i + AHEAD).take(4) {
+    debug_assert_eq!(out.len(), n);
+    for (g, res) in out.chunks_mut(4).enumerate() {
+        let i0 = 4 * g;
+        for ahead in (i0 + AHEAD..n).take(4) {
             let p = row(ahead);
-            for line in (0..rb).step_by(64) {
+            for line in (0..2 * k).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(p.add(line) as *const i8);
             }
         }
@@ -121,8 +144,8 @@ unsafe fn gather_rows(x: *const u16, w: MatRef, ids: &[u32], out: &mut [f32]) {
         while kk < k {
             let mask = if k - kk >= 32 { u32::MAX } else { (1u32 << (k - kk)) - 1 };
             let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(kk) as *const _));
-            for (acc, &id) in a.iter_mut().zip(group) {
-                let wv = _mm512_maskz_loadu_epi16(mask, row(id).add(kk * 2) as *const i16);
+            for (r, acc) in a.iter_mut().enumerate().take(res.len()) {
+                let wv = _mm512_maskz_loadu_epi16(mask, row(i0 + r).add(kk * 2) as *const i16);
                 *acc = _mm512_dpbf16_ps(*acc, xv, std::mem::transmute::<__m512i, __m512bh>(wv));
             }
             kk += 32;
