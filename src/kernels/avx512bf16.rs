@@ -8,7 +8,7 @@
 //! small (< 1.2e-38) do not occur in practice, and the tests' tolerance covers the difference.
 
 use super::avx512::{acc_finish, acc_load, acc_storage, hsum4, plan, round_bf16_bits, shapes, Acc};
-use super::tiling::{pack_panels, Tile};
+use super::tiling::{pack_panels, Panels, Tile};
 use super::x86::{drive, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
@@ -28,8 +28,7 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
     assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
     assert_eq!(w.dtype, DType::BF16);
     if m == 1 && w.cols <= SHORT_K && w.data.len() <= SHORT_BYTES {
-        // SAFETY: the CPU has the features, asserted above.
-        let xp = pack_panels(x, 1, w.cols, 32, 1, |src, dst| unsafe { pack_bf16(src, dst) });
+        let xp = pack_row(x, w.cols);
         let xs = xp.data();
         super::tiling::for_row_chunks(w, 1, out, split, |wc, outs| {
             let (rb, base) = (wc.cols * 2, wc.data.as_ptr());
@@ -112,11 +111,17 @@ pub fn gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32]) {
     assert_eq!(w.dtype, DType::BF16);
     assert!(x.len() == w.cols && ids.len() == out.len(), "gather shapes");
     assert!(ids.iter().all(|&id| (id as usize) < w.rows), "gather: a row id past the matrix");
-    // SAFETY: the CPU has the features, asserted above.
-    let xp = pack_panels(x, 1, w.cols, 32, 1, |src, dst| unsafe { pack_bf16(src, dst) });
+    let xp = pack_row(x, w.cols);
     let (rb, base) = (w.cols * 2, w.data.as_ptr());
     // SAFETY: as above; `xp` holds x rounded up to whole steps and every id is a row of `w`.
     unsafe { dot_rows(xp.data().as_ptr(), w.cols, ids.len(), |i| base.add(ids[i] as usize * rb), out) }
+}
+
+/// One activation row as `dot_rows` reads it (a one-row `pack_bf16` panel). The caller has checked
+/// that the CPU has AVX512_BF16.
+fn pack_row(x: &[f32], k: usize) -> Panels<u16> {
+    // SAFETY: the CPU has the features (checked by the caller, `matmul` or `gather`).
+    pack_panels(x, 1, k, 32, 1, |src, dst| unsafe { pack_bf16(src, dst) })
 }
 
 /// `out[i] = x · row(i)` for one activation row and `n` weight rows of `k` bf16, four rows at a time.
@@ -139,13 +144,14 @@ unsafe fn dot_rows(x: *const u16, k: usize, n: usize, row: impl Fn(usize) -> *co
                 _mm_prefetch::<_MM_HINT_T0>(p.add(line) as *const i8);
             }
         }
+        let rows: [*const u8; 4] = std::array::from_fn(|r| if r < res.len() { row(i0 + r) } else { std::ptr::null() });
         let mut a = [_mm512_setzero_ps(); 4];
         let mut kk = 0;
         while kk < k {
             let mask = if k - kk >= 32 { u32::MAX } else { (1u32 << (k - kk)) - 1 };
             let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(kk) as *const _));
-            for (r, acc) in a.iter_mut().enumerate().take(res.len()) {
-                let wv = _mm512_maskz_loadu_epi16(mask, row(i0 + r).add(kk * 2) as *const i16);
+            for (acc, &p) in a.iter_mut().zip(&rows).take(res.len()) {
+                let wv = _mm512_maskz_loadu_epi16(mask, p.add(kk * 2) as *const i16);
                 *acc = _mm512_dpbf16_ps(*acc, xv, std::mem::transmute::<__m512i, __m512bh>(wv));
             }
             kk += 32;
