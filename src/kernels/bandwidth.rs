@@ -26,7 +26,7 @@ pub fn measure_read_bandwidth(bytes: usize) -> f64 {
 fn read_xor(isa: super::Isa, c: &[u8]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     match isa {
-        super::Isa::Avx512 | super::Isa::Avx512Bf16 => return super::avx512::read_xor(c),
+        super::Isa::Avx512 | super::Isa::Avx512Bf16 | super::Isa::Amx => return super::avx512::read_xor(c),
         super::Isa::Avx2 => return super::avx2::read_xor(c),
         super::Isa::Scalar => {}
     }

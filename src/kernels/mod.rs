@@ -18,6 +18,8 @@ pub mod quant;
 pub mod scalar;
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_quant;
@@ -84,7 +86,7 @@ impl DType {
         #[cfg(target_arch = "x86_64")]
         if self == DType::BF16 {
             match runnable(isa) {
-                Isa::Avx512 | Isa::Avx512Bf16 => return avx512::round_bf16_slice(xs),
+                Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => return avx512::round_bf16_slice(xs),
                 Isa::Avx2 => return avx2::round_bf16_slice(xs),
                 Isa::Scalar => {}
             }
@@ -229,10 +231,13 @@ pub enum Isa {
     Avx512,
     /// AVX-512 plus AVX512_BF16: bf16 weights multiplied directly with `vdpbf16ps`.
     Avx512Bf16,
+    /// AVX512_BF16 plus AMX-BF16: bf16 matmuls on the tile unit (`tdpbf16ps`), the rest as
+    /// `Avx512Bf16`.
+    Amx,
 }
 
 impl Isa {
-    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+    pub const ALL: [Isa; 5] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -240,6 +245,7 @@ impl Isa {
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
             Isa::Avx512Bf16 => "avx512bf16",
+            Isa::Amx => "amx",
         }
     }
 
@@ -271,6 +277,9 @@ impl std::fmt::Display for Isa {
 fn detect() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
+        if amx::supported() {
+            return Isa::Amx;
+        }
         if avx512bf16::supported() {
             return Isa::Avx512Bf16;
         }
@@ -359,13 +368,13 @@ pub(crate) fn matmul_quant(isa: Isa, x: &[f32], m: usize, w: QMatRef, out: &mut 
     match runnable(isa) {
         // The activations laid out for the kernels once, for every chunk.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 if avx512_quant::supported() => {
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx if avx512_quant::supported() => {
             avx512_quant::with_prepared(&acts, w.qtype, |p| {
                 chunks(&|wc, outs| avx512_quant::matmul_prepared(p, wc, outs))
             })
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => chunks(&|wc, outs| avx2_quant::matmul(&acts, wc, outs)),
+        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => chunks(&|wc, outs| avx2_quant::matmul(&acts, wc, outs)),
         _ => chunks(&|wc, outs| quant::matmul(&acts, wc, outs)),
     }
     ACTS.set(acts);
@@ -400,6 +409,11 @@ pub(crate) fn matmul_split(isa: Isa, x: &[f32], m: usize, w: MatRef, out: &mut [
             DType::BF16 => avx512bf16::matmul(x, m, w, out, split),
             _ => avx512::matmul(x, m, w, out, split),
         },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Amx => match w.dtype {
+            DType::BF16 => amx::matmul(x, m, w, out, split),
+            _ => avx512::matmul(x, m, w, out, split),
+        },
         #[cfg(not(target_arch = "x86_64"))]
         _ => {
             let _ = split;
@@ -420,7 +434,7 @@ pub fn rms_norm_with(isa: Isa, x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut
     }
     match runnable(isa) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => avx512::rms_norm(x, w, eps, out),
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => avx512::rms_norm(x, w, eps, out),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2::rms_norm(x, w, eps, out),
         _ => scalar::rms_norm(x, w, eps, out),
@@ -439,7 +453,7 @@ pub fn gelu_tanh(x: &mut [f32]) {
 pub fn gelu_tanh_with(isa: Isa, x: &mut [f32]) {
     match runnable(isa) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => avx512::gelu_tanh(x),
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => avx512::gelu_tanh(x),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2::gelu_tanh(x),
         _ => scalar::gelu_tanh(x),
@@ -454,7 +468,7 @@ pub fn softcap(x: &mut [f32], cap: f32, dt: DType) {
 pub fn softcap_with(isa: Isa, x: &mut [f32], cap: f32, dt: DType) {
     match runnable(isa) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 if dt != DType::F16 => avx512::softcap(x, cap, dt == DType::BF16),
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx if dt != DType::F16 => avx512::softcap(x, cap, dt == DType::BF16),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if dt != DType::F16 => avx2::softcap(x, cap, dt == DType::BF16),
         _ => scalar::softcap(x, cap, dt),
@@ -469,7 +483,7 @@ pub fn softmax(x: &mut [f32]) {
 pub fn softmax_with(isa: Isa, x: &mut [f32]) {
     match runnable(isa) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => avx512::softmax(x),
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => avx512::softmax(x),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2::softmax(x),
         _ => scalar::softmax(x),
@@ -484,7 +498,7 @@ pub fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "dot shapes");
     match runnable(isa) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => avx512::dot(a, b),
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => avx512::dot(a, b),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2::dot(a, b),
         _ => scalar::dot(a, b),
@@ -500,7 +514,7 @@ pub fn axpy_with(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len(), "axpy shapes");
     match runnable(isa) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => avx512::axpy(a, x, y),
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => avx512::axpy(a, x, y),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2::axpy(a, x, y),
         _ => scalar::axpy(a, x, y),
@@ -516,7 +530,7 @@ pub fn exp_shifted_with(isa: Isa, x: &[f32], m: f32, out: &mut [f32]) {
     assert_eq!(x.len(), out.len(), "exp_shifted shapes");
     match runnable(isa) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => avx512::exp_shifted(x, m, out),
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => avx512::exp_shifted(x, m, out),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2::exp_shifted(x, m, out),
         _ => scalar::exp_shifted(x, m, out),
@@ -569,7 +583,9 @@ const WEIGHTED_PAR_MIN_MACS: usize = 4 << 20;
 fn weighted_cols(isa: Isa, p: &[f32], m: usize, v: MatRef, cols: std::ops::Range<usize>, out: &mut [f32]) {
     match (runnable(isa), v.dtype) {
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512 | Isa::Avx512Bf16, DType::BF16 | DType::F32) => avx512::weighted_rows(p, m, v, cols, out),
+        (Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx, DType::BF16 | DType::F32) => {
+            avx512::weighted_rows(p, m, v, cols, out)
+        }
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, DType::BF16 | DType::F32) => avx2::weighted_rows(p, m, v, cols, out),
         _ => scalar::weighted_rows(p, m, v, cols, out),

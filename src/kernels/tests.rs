@@ -188,7 +188,8 @@ fn matmul_is_bit_exact_across_threads_and_batch() {
             (DType::BF16, 800, 2600),
         ] {
             let w = Weights::random(&mut rng, dtype, rows, cols);
-            for m in [1, 5, 8, 16] {
+            // 40: more rows than the AMX kernel's two tiles of activations (16 each) take at once.
+            for m in [1, 5, 8, 16, 40] {
                 let x = rng.vec(m * cols, 1.0);
                 let run = |split: Split| {
                     let mut out = vec![0f32; m * rows];
@@ -375,6 +376,7 @@ fn isa_names_parse_and_order() {
     }
     assert_eq!(Isa::parse("sse9"), None);
     assert!(Isa::Scalar < Isa::Avx2 && Isa::Avx2 < Isa::Avx512 && Isa::Avx512 < Isa::Avx512Bf16);
+    assert!(Isa::Avx512Bf16 < Isa::Amx);
     assert!(isa() <= Isa::detected());
     assert_eq!(Isa::available().first(), Some(&Isa::Scalar));
 }

@@ -7,8 +7,8 @@ use super::{pool, MatRef, Split};
 use std::sync::Mutex;
 
 /// Thread chunks are multiples of this many weight rows, so that every tile height the kernels use
-/// (1 to 4 rows) divides them.
-const CHUNK_ROW_MULTIPLE: usize = 12;
+/// (1 to 4 rows; AMX's 32, then 16) divides them.
+const CHUNK_ROW_MULTIPLE: usize = 48;
 
 /// Below this many bytes of weights (and little compute) a matmul runs on the calling thread when
 /// only rayon can split it: waking rayon's pool costs ~5 µs here, which a matrix smaller than

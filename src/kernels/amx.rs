@@ -1,0 +1,279 @@
+//! AMX matmul for bf16 weights (Intel Sapphire Rapids and later): `tdpbf16ps` multiplies a 16 × 32
+//! bf16 tile of weights by a 32 × 16 tile of activations into 16 × 16 f32 accumulators, 8,192
+//! multiply-adds in one instruction. On the machines tandem is measured on that is ~25x the
+//! multiply-adds per nanosecond of `vdpbf16ps`, so a forward over 16 rows costs what one row costs:
+//! reading the weights. See docs/numerics.md, "AMX".
+//!
+//! Layout: the weight tile is 16 weight rows × 32 K elements, loaded straight from the memory map
+//! with the row stride (no repacking). The activations are rounded to bf16 once per call and packed
+//! as the instruction's second operand wants them (`pack`): for each 32-element K step, 16 rows of
+//! K pairs, each holding the pair of every activation row of the group. The result tile is then
+//! weight rows × activation rows, stored and written out transposed.
+//!
+//! Bits: each output element accumulates its K pairs in order, one 32-element step after another,
+//! starting from zero. Nothing depends on which other rows share the tile, on the number of rows
+//! or on the thread split, so the kernel is batch invariant like the others. Its bits differ from
+//! `avx512bf16`'s (that one keeps 16 partial sums and adds them by a tree), so `Isa::Amx` is its own
+//! level and is used for every bf16 matmul of a process, one row or many.
+//!
+//! The tile registers need the kernel's permission (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, Linux 5.16+),
+//! asked once in `supported`. The instructions are written with `asm!`: Rust has no stable AMX
+//! intrinsics. Each call loads its tile configuration and releases the tiles at the end.
+
+use super::avx512::round_bf16_bits;
+use super::{DType, MatRef, Split};
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+/// Weight rows per tile (the tile's row count) and K elements per step (64 bytes of bf16).
+const TR: usize = 16;
+const KS: usize = 32;
+/// K steps ahead whose weight lines are prefetched.
+const AHEAD: usize = 8;
+
+pub fn supported() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| super::avx512bf16::supported() && cpu_has_amx_bf16() && os_grants_tiles())
+}
+
+fn cpu_has_amx_bf16() -> bool {
+    // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE. XCR0 bits 17/18: the OS saves tile state.
+    // SAFETY: cpuid is always available on x86_64; xgetbv is checked for with OSXSAVE first.
+    unsafe {
+        if __cpuid(0).eax < 7 {
+            return false;
+        }
+        let l7 = __cpuid_count(7, 0);
+        if l7.edx & (1 << 22) == 0 || l7.edx & (1 << 24) == 0 {
+            return false;
+        }
+        if __cpuid(1).ecx & (1 << 27) == 0 {
+            return false;
+        }
+        let (lo, _hi): (u32, u32);
+        asm!("xgetbv", in("ecx") 0u32, out("eax") lo, out("edx") _hi, options(nomem, nostack, preserves_flags));
+        lo & (0b11 << 17) == 0b11 << 17
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn os_grants_tiles() -> bool {
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: u64 = 0x1023;
+    const XFEATURE_XTILEDATA: u64 = 18;
+    let ret: i64;
+    // SAFETY: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) only asks for permission to use the tile
+    // registers; it touches no memory of ours. The syscall clobbers rcx and r11.
+    unsafe {
+        asm!("syscall", inlateout("rax") SYS_ARCH_PRCTL => ret, in("rdi") ARCH_REQ_XCOMP_PERM,
+             in("rsi") XFEATURE_XTILEDATA, lateout("rcx") _, lateout("r11") _, options(nostack));
+    }
+    ret == 0
+}
+
+#[cfg(not(target_os = "linux"))]
+fn os_grants_tiles() -> bool {
+    false
+}
+
+/// The tile configuration `ldtilecfg` reads (palette 1).
+#[repr(C, align(64))]
+struct TileCfg {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+/// Tiles 0-3: accumulators (16 weight rows × `mc` activation rows of f32); 4-5: weights (16 rows ×
+/// 64 bytes); 6-7: activations (16 K pairs × `mc` rows of 4 bytes).
+fn config(mc: usize) -> TileCfg {
+    let mut c = TileCfg { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+    for t in 0..8 {
+        c.rows[t] = TR as u8;
+        c.colsb[t] = if t == 4 || t == 5 { (KS * 2) as u16 } else { (mc * 4) as u16 };
+    }
+    c
+}
+
+/// The activations as `tdpbf16ps`'s second operand: rows in groups of `mc`; group `g`, K step `s`
+/// is a block of 16 lines (K pairs) of `mc` u32, each the bf16 pair of one activation row. Padding
+/// (rows past `m`, K past `k`) is zero.
+struct Packed {
+    data: Vec<u32>,
+    mc: usize,
+    steps: usize,
+}
+
+impl Packed {
+    fn block(&self, g: usize, s: usize) -> *const u32 {
+        self.data[(g * self.steps + s) * TR * self.mc..].as_ptr()
+    }
+}
+
+/// # Safety
+/// AVX-512 F/BW/VL (checked by `supported`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn pack(x: &[f32], m: usize, k: usize) -> Packed {
+    let mc = m.min(16);
+    let steps = k.div_ceil(KS);
+    let groups = m.div_ceil(mc);
+    let mut data = vec![0u32; groups * steps * TR * mc];
+    let mut pairs = [0u32; 16];
+    for row in 0..m {
+        let (g, c) = (row / mc, row % mc);
+        for (s, src) in x[row * k..(row + 1) * k].chunks(KS).enumerate() {
+            pairs.fill(0);
+            for (h, d) in src.chunks(16).zip(pairs.chunks_mut(8)) {
+                let mask = if h.len() >= 16 { !0 } else { (1u16 << h.len()) - 1 };
+                let bits = _mm512_srli_epi32::<16>(round_bf16_bits(_mm512_maskz_loadu_ps(mask, h.as_ptr())));
+                _mm256_storeu_si256(d.as_mut_ptr() as *mut _, _mm512_cvtepi32_epi16(bits));
+            }
+            let base = (g * steps + s) * TR * mc;
+            for (p, &pair) in pairs.iter().enumerate() {
+                data[base + p * mc + c] = pair;
+            }
+        }
+    }
+    Packed { data, mc, steps }
+}
+
+pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
+    assert!(supported(), "AMX kernels on a CPU (or kernel) without them");
+    assert_eq!(w.dtype, DType::BF16);
+    // SAFETY: the CPU has AVX-512 (`supported`).
+    let xp = unsafe { pack(x, m, w.cols) };
+    super::tiling::for_row_chunks(w, m, out, split, |wc, outs| {
+        // SAFETY: the CPU has AMX and the OS granted the tiles (`supported`); `xp` covers `m` rows
+        // of `wc.cols`.
+        unsafe { chunk(&xp, m, wc, outs) }
+    });
+}
+
+thread_local! {
+    /// Weight rows copied into zero-padded lines (a chunk's last rows short of a tile, or K that is
+    /// not a whole number of steps), kept from call to call.
+    static PADDED: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One thread's chunk of weight rows against every activation row.
+///
+/// # Safety
+/// AMX-TILE + AMX-BF16 usable by this process; `xp` packs `m` rows of `w.cols`.
+unsafe fn chunk(xp: &Packed, m: usize, w: MatRef, outs: &mut [&mut [f32]]) {
+    let (n, k, mc, steps) = (w.rows, w.cols, xp.mc, xp.steps);
+    let ws = k * 2;
+    let groups = m.div_ceil(mc);
+    let cfg = config(mc);
+    asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileCfg, options(nostack, readonly));
+    let mut padded = PADDED.take();
+    let mut res = [[0f32; 16]; TR];
+    let whole_k = k % KS == 0;
+    let mut r0 = 0;
+    while r0 < n {
+        let rows = (n - r0).min(2 * TR);
+        // Two weight tiles (32 rows) when there are that many; the second only when needed.
+        let two = rows > TR;
+        let (a, stride) = if (rows == 2 * TR || rows == TR) && whole_k {
+            (w.data[r0 * ws..].as_ptr(), ws)
+        } else {
+            let kp = steps * KS;
+            padded.clear();
+            padded.resize(2 * TR * kp, 0);
+            for i in 0..rows {
+                for (d, s) in padded[i * kp..i * kp + k].iter_mut().zip(w.data[(r0 + i) * ws..].chunks_exact(2)) {
+                    *d = u16::from_le_bytes([s[0], s[1]]);
+                }
+            }
+            (padded.as_ptr() as *const u8, kp * 2)
+        };
+        // The lines of the next rows' block, prefetched while this block's last steps run.
+        let next = (r0 + 2 * TR < n).then(|| w.data[(r0 + 2 * TR) * ws..].as_ptr());
+        let next_rows = (n - r0).saturating_sub(2 * TR).min(2 * TR);
+        for g0 in (0..groups).step_by(2) {
+            let g2 = g0 + 1 < groups;
+            asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nomem, nostack));
+            for s in 0..steps {
+                if g0 + 2 >= groups {
+                    prefetch(w.data.as_ptr(), r0, rows, ws, s + AHEAD, steps, next, next_rows);
+                }
+                let a0 = a.add(s * KS * 2);
+                asm!("tileloadd tmm4, [{p} + {s}*1]", p = in(reg) a0, s = in(reg) stride, options(nostack, readonly));
+                if two {
+                    let a1 = a0.add(TR * stride);
+                    asm!("tileloadd tmm5, [{p} + {s}*1]", p = in(reg) a1, s = in(reg) stride, options(nostack, readonly));
+                }
+                asm!("tileloadd tmm6, [{p} + {s}*1]", p = in(reg) xp.block(g0, s), s = in(reg) mc * 4,
+                     options(nostack, readonly));
+                asm!("tdpbf16ps tmm0, tmm4, tmm6", options(nomem, nostack));
+                if two {
+                    asm!("tdpbf16ps tmm1, tmm5, tmm6", options(nomem, nostack));
+                }
+                if g2 {
+                    asm!("tileloadd tmm7, [{p} + {s}*1]", p = in(reg) xp.block(g0 + 1, s), s = in(reg) mc * 4,
+                         options(nostack, readonly));
+                    asm!("tdpbf16ps tmm2, tmm4, tmm7", options(nomem, nostack));
+                    if two {
+                        asm!("tdpbf16ps tmm3, tmm5, tmm7", options(nomem, nostack));
+                    }
+                }
+            }
+            // Accumulator tile t: weight rows r0 + 16·(t % 2).., activation group g0 + t / 2.
+            for t in 0..4 {
+                let (half, g) = (t % 2, g0 + t / 2);
+                if (half == 1 && !two) || g >= groups {
+                    continue;
+                }
+                let dst = res.as_mut_ptr() as *mut u8;
+                match t {
+                    0 => asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) dst, s = in(reg) 64usize, options(nostack)),
+                    1 => asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) dst, s = in(reg) 64usize, options(nostack)),
+                    2 => asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) dst, s = in(reg) 64usize, options(nostack)),
+                    _ => asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) dst, s = in(reg) 64usize, options(nostack)),
+                }
+                let i0 = half * TR;
+                let wrows = rows.saturating_sub(i0).min(TR);
+                for c in 0..mc.min(m - g * mc) {
+                    let o = &mut outs[g * mc + c][r0 + i0..r0 + i0 + wrows];
+                    for (i, v) in o.iter_mut().enumerate() {
+                        *v = res[i][c];
+                    }
+                }
+            }
+        }
+        r0 += rows;
+    }
+    asm!("tilerelease", options(nomem, nostack));
+    PADDED.set(padded);
+}
+
+/// Prefetch the weight lines step `at` will load: this block's rows while `at` is inside it, the
+/// next block's first steps after that.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn prefetch(
+    base: *const u8,
+    r0: usize,
+    rows: usize,
+    ws: usize,
+    at: usize,
+    steps: usize,
+    next: Option<*const u8>,
+    next_rows: usize,
+) {
+    let (p, nrows, off) = if at < steps {
+        (base.wrapping_add(r0 * ws), rows, at * KS * 2)
+    } else if let Some(nb) = next {
+        (nb, next_rows, (at - steps) * KS * 2)
+    } else {
+        return;
+    };
+    if off >= ws {
+        return;
+    }
+    for i in 0..nrows {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i * ws + off) as *const i8);
+    }
+}
