@@ -29,8 +29,6 @@ use std::sync::OnceLock;
 /// Weight rows per tile (the tile's row count) and K elements per step (64 bytes of bf16).
 const TR: usize = 16;
 const KS: usize = 32;
-/// K steps ahead whose weight lines are prefetched.
-const AHEAD: usize = 8;
 
 pub fn supported() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
@@ -121,23 +119,34 @@ unsafe fn pack(x: &[f32], m: usize, k: usize) -> Packed {
     let steps = k.div_ceil(KS);
     let groups = m.div_ceil(mc);
     let mut data = vec![0u32; groups * steps * TR * mc];
-    let mut pairs = [0u32; 16];
+    // Line p of a step block holds pair p of each row: a row's 16 pairs go `mc` u32 apart.
+    let lines = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(mc as i32),
+    );
     for row in 0..m {
         let (g, c) = (row / mc, row % mc);
         for (s, src) in x[row * k..(row + 1) * k].chunks(KS).enumerate() {
-            pairs.fill(0);
-            for (h, d) in src.chunks(16).zip(pairs.chunks_mut(8)) {
-                let mask = if h.len() >= 16 { !0 } else { (1u16 << h.len()) - 1 };
-                let bits = _mm512_srli_epi32::<16>(round_bf16_bits(_mm512_maskz_loadu_ps(mask, h.as_ptr())));
-                _mm256_storeu_si256(d.as_mut_ptr() as *mut _, _mm512_cvtepi32_epi16(bits));
-            }
-            let base = (g * steps + s) * TR * mc;
-            for (p, &pair) in pairs.iter().enumerate() {
-                data[base + p * mc + c] = pair;
-            }
+            let lo = bf16_bits(&src[..src.len().min(16)]);
+            let hi = if src.len() > 16 { bf16_bits(&src[16..]) } else { _mm256_setzero_si256() };
+            let pairs = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            let base = data[(g * steps + s) * TR * mc + c..].as_mut_ptr();
+            _mm512_i32scatter_epi32::<4>(base as *mut _, lines, pairs);
         }
     }
     Packed { data, mc, steps }
+}
+
+/// Up to 16 values rounded to bf16 bits (zero past `h.len()`).
+///
+/// # Safety
+/// AVX-512 F/BW; `h.len() <= 16`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn bf16_bits(h: &[f32]) -> __m256i {
+    debug_assert!(h.len() <= 16);
+    let mask = if h.len() >= 16 { !0 } else { (1u16 << h.len()) - 1 };
+    _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(round_bf16_bits(_mm512_maskz_loadu_ps(mask, h.as_ptr()))))
 }
 
 pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
@@ -161,7 +170,9 @@ thread_local! {
 /// One thread's chunk of weight rows against every activation row.
 ///
 /// # Safety
-/// AMX-TILE + AMX-BF16 usable by this process; `xp` packs `m` rows of `w.cols`.
+/// AMX-TILE + AMX-BF16 usable by this process (which implies AVX-512); `xp` packs `m` rows of
+/// `w.cols`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn chunk(xp: &Packed, m: usize, w: MatRef, outs: &mut [&mut [f32]]) {
     let (n, k, mc, steps) = (w.rows, w.cols, xp.mc, xp.steps);
     let ws = k * 2;
@@ -170,6 +181,8 @@ unsafe fn chunk(xp: &Packed, m: usize, w: MatRef, outs: &mut [&mut [f32]]) {
     asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileCfg, options(nostack, readonly));
     let mut padded = PADDED.take();
     let mut res = [[0f32; 16]; TR];
+    // Element (i, c) of a stored tile is at i·16 + c.
+    let column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
     let whole_k = k % KS == 0;
     let mut r0 = 0;
     while r0 < n {
@@ -189,16 +202,10 @@ unsafe fn chunk(xp: &Packed, m: usize, w: MatRef, outs: &mut [&mut [f32]]) {
             }
             (padded.as_ptr() as *const u8, kp * 2)
         };
-        // The lines of the next rows' block, prefetched while this block's last steps run.
-        let next = (r0 + 2 * TR < n).then(|| w.data[(r0 + 2 * TR) * ws..].as_ptr());
-        let next_rows = (n - r0).saturating_sub(2 * TR).min(2 * TR);
         for g0 in (0..groups).step_by(2) {
             let g2 = g0 + 1 < groups;
             asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nomem, nostack));
             for s in 0..steps {
-                if g0 + 2 >= groups {
-                    prefetch(w.data.as_ptr(), r0, rows, ws, s + AHEAD, steps, next, next_rows);
-                }
                 let a0 = a.add(s * KS * 2);
                 asm!("tileloadd tmm4, [{p} + {s}*1]", p = in(reg) a0, s = in(reg) stride, options(nostack, readonly));
                 if two {
@@ -235,11 +242,12 @@ unsafe fn chunk(xp: &Packed, m: usize, w: MatRef, outs: &mut [&mut [f32]]) {
                 }
                 let i0 = half * TR;
                 let wrows = rows.saturating_sub(i0).min(TR);
+                let keep = if wrows >= 16 { !0 } else { (1u16 << wrows) - 1 };
                 for c in 0..mc.min(m - g * mc) {
-                    let o = &mut outs[g * mc + c][r0 + i0..r0 + i0 + wrows];
-                    for (i, v) in o.iter_mut().enumerate() {
-                        *v = res[i][c];
-                    }
+                    // Column c of the tile: 16 weight rows' results for activation row g·mc + c.
+                    let col = _mm512_i32gather_ps::<4>(column, res.as_ptr().cast::<f32>().add(c) as *const _);
+                    let o = outs[g * mc + c][r0 + i0..r0 + i0 + wrows].as_mut_ptr();
+                    _mm512_mask_storeu_ps(o, keep, col);
                 }
             }
         }
@@ -247,33 +255,4 @@ unsafe fn chunk(xp: &Packed, m: usize, w: MatRef, outs: &mut [&mut [f32]]) {
     }
     asm!("tilerelease", options(nomem, nostack));
     PADDED.set(padded);
-}
-
-/// Prefetch the weight lines step `at` will load: this block's rows while `at` is inside it, the
-/// next block's first steps after that.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn prefetch(
-    base: *const u8,
-    r0: usize,
-    rows: usize,
-    ws: usize,
-    at: usize,
-    steps: usize,
-    next: Option<*const u8>,
-    next_rows: usize,
-) {
-    let (p, nrows, off) = if at < steps {
-        (base.wrapping_add(r0 * ws), rows, at * KS * 2)
-    } else if let Some(nb) = next {
-        (nb, next_rows, (at - steps) * KS * 2)
-    } else {
-        return;
-    };
-    if off >= ws {
-        return;
-    }
-    for i in 0..nrows {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i * ws + off) as *const i8);
-    }
 }
