@@ -160,29 +160,40 @@ pub fn choose(
         let tokens = base_tokens + cands.iter().zip(ks).map(|(c, &k)| expected(&c.rates, k)).sum::<f64>();
         tokens / time
     };
+    // A draft expected to add under a twentieth of a token is not worth the risk that a noisy timing
+    // makes it look free.
+    let can_grow = |ks: &[usize], i: usize| {
+        let c = &cands[i];
+        ks[i] < c.k_max.min(AUTO_MAX_DRAFT) && expected(&c.rates, ks[i] + 1) - expected(&c.rates, ks[i]) >= 0.05
+    };
     let mut current = objective(&ks);
     loop {
-        let mut best: Option<(usize, f64)> = None;
-        for (i, c) in cands.iter().enumerate() {
-            if ks[i] >= c.k_max.min(AUTO_MAX_DRAFT) {
-                continue;
+        // One sequence one draft deeper, or every sequence that can grow together. The second matters
+        // when a new depth's draft step costs more than one sequence's draft repays while several
+        // sequences' drafts share it: one at a time, the greedy search would never take the first.
+        let mut best: Option<(Vec<usize>, f64)> = None;
+        let mut consider = |trial: Vec<usize>| {
+            let v = objective(&trial);
+            if v > current * 1.01 && best.as_ref().is_none_or(|b| v > b.1) {
+                best = Some((trial, v));
             }
-            // A draft expected to add under a twentieth of a token is not worth the risk that a noisy
-            // timing makes it look free.
-            let gain = expected(&c.rates, ks[i] + 1) - expected(&c.rates, ks[i]);
-            if gain < 0.05 {
-                continue;
+        };
+        let growable: Vec<usize> = (0..cands.len()).filter(|&i| can_grow(&ks, i)).collect();
+        for &i in &growable {
+            let mut trial = ks.clone();
+            trial[i] += 1;
+            consider(trial);
+        }
+        if growable.len() > 1 {
+            let mut trial = ks.clone();
+            for &i in &growable {
+                trial[i] += 1;
             }
-            ks[i] += 1;
-            let v = objective(&ks);
-            ks[i] -= 1;
-            if v > current * 1.01 && best.is_none_or(|b| v > b.1) {
-                best = Some((i, v));
-            }
+            consider(trial);
         }
         match best {
-            Some((i, v)) => {
-                ks[i] += 1;
+            Some((trial, v)) => {
+                ks = trial;
                 current = v;
             }
             None => return Some(ks),
@@ -240,6 +251,18 @@ mod tests {
         // A probe drafts one token even when it does not pay.
         let probe = Candidate { probe: true, ..cand(0.0) };
         assert_eq!(choose(&c, 0, 0.0, &[], &[probe]).unwrap(), vec![1]);
+    }
+
+    #[test]
+    fn sequences_draft_together_when_one_alone_does_not_repay_the_draft_step() {
+        // A small target (each row costs a tenth of the step) and a draft step of 0.2 ms: one sequence
+        // of four drafting alone adds a row and a whole draft step for 0.84 tokens (no gain), all four
+        // together add four rows and the same draft step for 3.4 tokens.
+        let c = costs(0.0010, 0.0001, 0.0002, 0.00001);
+        let ks = choose(&c, 0, 0.0, &[], &(0..4).map(|_| cand(0.84)).collect::<Vec<_>>()).unwrap();
+        assert!(ks.iter().all(|&k| k >= 1), "{ks:?}");
+        // A useless drafter still does not draft, together or alone.
+        assert_eq!(choose(&c, 0, 0.0, &[], &(0..4).map(|_| cand(0.02)).collect::<Vec<_>>()).unwrap(), vec![0; 4]);
     }
 
     #[test]
