@@ -1,8 +1,8 @@
 //! AMX matmul for bf16 weights (Intel Sapphire Rapids and later): `tdpbf16ps` multiplies a 16 × 32
 //! bf16 tile of weights by a 32 × 16 tile of activations into 16 × 16 f32 accumulators, 8,192
-//! multiply-adds in one instruction. On the machines tandem is measured on that is ~25x the
-//! multiply-adds per nanosecond of `vdpbf16ps`, so a forward over 16 rows costs what one row costs:
-//! reading the weights. See docs/numerics.md, "AMX".
+//! multiply-adds in one instruction. On the machine tandem is measured on that is about 28x the
+//! multiply-adds per nanosecond of `vdpbf16ps` (1,100 against 40 per core), so a forward over 16 rows
+//! costs about what one row costs: reading the weights. See docs/numerics.md, "AMX".
 //!
 //! Layout: the weight tile is 16 weight rows × 32 K elements, loaded straight from the memory map
 //! with the row stride (no repacking). The activations are rounded to bf16 once per call and packed
