@@ -294,7 +294,7 @@ fn detect() -> Isa {
 }
 
 /// The instruction set the kernels use: the detected one, or a lower one named by the environment
-/// variable `TANDEM_ISA` (`scalar|avx2|avx512|avx512bf16`). An unknown name, or one the CPU cannot
+/// variable `TANDEM_ISA` (`scalar|avx2|avx512|avx512bf16|amx`). An unknown name, or one the CPU cannot
 /// run, is ignored. Decided once per process.
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
