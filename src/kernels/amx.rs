@@ -20,7 +20,7 @@
 //! asked once in `supported`. The instructions are written with `asm!`: Rust has no stable AMX
 //! intrinsics. Each call loads its tile configuration and releases the tiles at the end.
 
-use super::avx512::round_bf16_bits;
+use super::avx512::bf16_bits16;
 use super::{DType, MatRef, Split};
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -127,26 +127,14 @@ unsafe fn pack(x: &[f32], m: usize, k: usize) -> Packed {
     for row in 0..m {
         let (g, c) = (row / mc, row % mc);
         for (s, src) in x[row * k..(row + 1) * k].chunks(KS).enumerate() {
-            let lo = bf16_bits(&src[..src.len().min(16)]);
-            let hi = if src.len() > 16 { bf16_bits(&src[16..]) } else { _mm256_setzero_si256() };
+            let lo = bf16_bits16(&src[..src.len().min(16)]);
+            let hi = if src.len() > 16 { bf16_bits16(&src[16..]) } else { _mm256_setzero_si256() };
             let pairs = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
             let base = data[(g * steps + s) * TR * mc + c..].as_mut_ptr();
             _mm512_i32scatter_epi32::<4>(base as *mut _, lines, pairs);
         }
     }
     Packed { data, mc, steps }
-}
-
-/// Up to 16 values rounded to bf16 bits (zero past `h.len()`).
-///
-/// # Safety
-/// AVX-512 F/BW; `h.len() <= 16`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn bf16_bits(h: &[f32]) -> __m256i {
-    debug_assert!(h.len() <= 16);
-    let mask = if h.len() >= 16 { !0 } else { (1u16 << h.len()) - 1 };
-    _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(round_bf16_bits(_mm512_maskz_loadu_ps(mask, h.as_ptr()))))
 }
 
 pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {

@@ -131,6 +131,19 @@ pub(super) fn round_bf16_bits(x: __m512) -> __m512i {
     _mm512_and_si512(_mm512_mask_mov_epi32(rounded, nan, quiet), _mm512_set1_epi32(0xffff_0000u32 as i32))
 }
 
+/// Up to 16 values rounded to bf16 bits, packed into 16 u16 (zero past `h.len()`): how the bf16
+/// kernels (`avx512bf16`, `amx`) take their activations.
+///
+/// # Safety
+/// AVX-512 F/BW/VL; `h.len() <= 16`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn bf16_bits16(h: &[f32]) -> __m256i {
+    debug_assert!(h.len() <= 16);
+    let mask = if h.len() >= 16 { !0 } else { (1u16 << h.len()) - 1 };
+    _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(round_bf16_bits(_mm512_maskz_loadu_ps(mask, h.as_ptr()))))
+}
+
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn round_bf16(x: __m512) -> __m512 {

@@ -7,7 +7,7 @@
 //! Note that `vdpbf16ps` treats denormal inputs as zero and flushes denormal results; bf16 values that
 //! small (< 1.2e-38) do not occur in practice, and the tests' tolerance covers the difference.
 
-use super::avx512::{acc_finish, acc_load, acc_storage, hsum4, plan, round_bf16_bits, shapes, Acc};
+use super::avx512::{acc_finish, acc_load, acc_storage, bf16_bits16, hsum4, plan, shapes, Acc};
 use super::tiling::{pack_panels, Panels, Tile};
 use super::x86::{drive, Prefetch};
 use super::{DType, MatRef, Split};
@@ -51,9 +51,7 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
 unsafe fn pack_bf16(src: &[f32], dst: &mut [u16]) {
     assert!(src.len() <= 32 && dst.len() == 32);
     for (h, d) in src.chunks(16).zip(dst.chunks_mut(16)) {
-        let mask = if h.len() >= 16 { !0 } else { (1u16 << h.len()) - 1 };
-        let bits = _mm512_srli_epi32::<16>(round_bf16_bits(_mm512_maskz_loadu_ps(mask, h.as_ptr())));
-        _mm256_storeu_si256(d.as_mut_ptr() as *mut _, _mm512_cvtepi32_epi16(bits));
+        _mm256_storeu_si256(d.as_mut_ptr() as *mut _, bf16_bits16(h));
     }
 }
 
