@@ -18,7 +18,8 @@
 //!
 //! The tile registers need the kernel's permission (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, Linux 5.16+),
 //! asked once in `supported`. The instructions are written with `asm!`: Rust has no stable AMX
-//! intrinsics. Each call loads its tile configuration and releases the tiles at the end.
+//! intrinsics. A thread keeps its tile configuration from call to call and loads another only when
+//! the number of activation rows per group changes.
 
 use super::avx512::bf16_bits16;
 use super::{DType, MatRef, Split};
@@ -96,6 +97,25 @@ fn config(mc: usize) -> TileCfg {
     c
 }
 
+thread_local! {
+    /// The `mc` of the configuration this thread's tile registers hold (0: none). It is kept from
+    /// call to call: `ldtilecfg` costs about 200 ns here, as much as a small matmul's compute, and a
+    /// decode step's matmuls all have the same number of activation rows.
+    static CONFIGURED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Configure this thread's tiles for groups of `mc` activation rows, unless they are already.
+///
+/// # Safety
+/// AMX usable by this process (`supported`).
+unsafe fn configure(mc: usize) {
+    if CONFIGURED.get() != mc {
+        let cfg = config(mc);
+        asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileCfg, options(nostack, readonly));
+        CONFIGURED.set(mc);
+    }
+}
+
 /// The activations as `tdpbf16ps`'s second operand: rows in groups of `mc`; group `g`, K step `s`
 /// is a block of 16 lines (K pairs) of `mc` u32, each the bf16 pair of one activation row. Padding
 /// (rows past `m`, K past `k`) is zero.
@@ -165,8 +185,7 @@ unsafe fn chunk(xp: &Packed, m: usize, w: MatRef, outs: &mut [&mut [f32]]) {
     let (n, k, mc, steps) = (w.rows, w.cols, xp.mc, xp.steps);
     let ws = k * 2;
     let groups = m.div_ceil(mc);
-    let cfg = config(mc);
-    asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileCfg, options(nostack, readonly));
+    configure(mc);
     let mut padded = PADDED.take();
     let mut res = [[0f32; 16]; TR];
     // Element (i, c) of a stored tile is at i·16 + c.
@@ -241,6 +260,5 @@ unsafe fn chunk(xp: &Packed, m: usize, w: MatRef, outs: &mut [&mut [f32]]) {
         }
         r0 += rows;
     }
-    asm!("tilerelease", options(nomem, nostack));
     PADDED.set(padded);
 }
