@@ -122,9 +122,14 @@ pub(crate) fn in_region() -> bool {
     IN_REGION.with(|r| r.get())
 }
 
-/// `f(0)..f(n)` in parallel: on the pool when it is free, on this thread inside a region (or for a
-/// single task), else on rayon's threads.
+/// `f(0)..f(n)` in parallel: on the pool when it is free, on this thread inside a region, else on
+/// rayon's threads. A single task runs on this thread outside any region, so that what it splits
+/// in turn still gets the pool (one sequence's attention in a batched forward).
 pub(crate) fn for_each(n: usize, f: &(dyn Fn(usize) + Sync + '_)) {
+    // One task runs here, outside any region, so that work it splits can still use the pool.
+    if n == 1 {
+        return f(0);
+    }
     if run(n, f) {
         return;
     }
