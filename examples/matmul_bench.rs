@@ -1,7 +1,7 @@
 //! Effective weight bandwidth of `kernels::matmul` for the shapes that dominate decode.
 //!
 //! cargo run --release --example matmul_bench [-- [--isa NAME] [--threads N] [--quick] [--prefill]
-//!                                              [--small] [--dtype bf16|f16|f32]
+//!                                              [--small] [--hot] [--dtype bf16|f16|f32]
 //!                                              [--quant q8_0|q4_0|q5_0|q5_1|q4_k|q5_k|q6_k]]
 //!
 //! `--quant FMT` times block-quantized weights instead (random weights quantized with
@@ -10,6 +10,8 @@
 //! A matrix called again and again would sit in L3 (32 MiB here), which is not what decode sees:
 //! each layer's weights are evicted by the other layers' before they are used again. So every shape
 //! is allocated in enough copies to cover 256 MiB, and consecutive calls cycle through the copies.
+//! `--hot` uses one copy instead: the weights stay in cache from call to call, as a drafter's
+//! matrices (2 MB for the shipped one) do between its draft steps.
 
 use std::time::Instant;
 use tandem::kernels::{bandwidth, isa, matmul_with, quant, DType, Isa, MatRef, QMatRef, QType, Weight};
@@ -19,6 +21,8 @@ struct Args {
     quick: bool,
     prefill: bool,
     small: bool,
+    /// `--hot`: one copy of each matrix, called again and again (cache-resident).
+    hot: bool,
     dtype: DType,
     /// `--quant q4_k`: quantized weights of this format instead of `dtype`.
     quant: Option<QType>,
@@ -39,6 +43,7 @@ fn parse_args() -> Args {
         quick: false,
         prefill: false,
         small: false,
+        hot: false,
         dtype: DType::BF16,
         quant: None,
         ms: None,
@@ -85,6 +90,7 @@ fn parse_args() -> Args {
             "--huge" => a.huge = true,
             "--prefill" => a.prefill = true,
             "--small" => a.small = true,
+            "--hot" => a.hot = true,
             other => eprintln!("ignoring argument {other}"),
         }
     }
@@ -186,7 +192,7 @@ fn bench_shape(a: &Args, rows: usize, cols: usize, ms: &[usize]) {
         Some(q) => rows * q.row_bytes(cols).expect("--quant: columns must be a whole number of blocks"),
         None => rows * cols * a.dtype.size(),
     };
-    let copies = (256usize << 20).div_ceil(bytes).max(1);
+    let copies = if a.hot { 1 } else { (256usize << 20).div_ceil(bytes).max(1) };
     // Quantized: one matrix, copied (quantizing every copy would take minutes).
     let quantized = a.quant.map(|q| quantized_weights(q, rows, cols, 0x9e37));
     let bufs: Vec<Vec<u8>> = (0..copies)
