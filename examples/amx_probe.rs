@@ -17,24 +17,20 @@ fn main() {
         println!("AMX is not usable here (kernels run as {})", isa().name());
         return;
     }
+    // The 64-byte tile configuration `ldtilecfg` reads: palette 1 (byte 0), then for tiles 0-7 the
+    // bytes per row (u16 at 16 + 2t) and the rows (byte 48 + t): eight tiles of 16 rows x 64 bytes.
     #[repr(C, align(64))]
-    struct TileCfg {
-        palette: u8,
-        start_row: u8,
-        reserved: [u8; 14],
-        colsb: [u16; 16],
-        rows: [u8; 16],
-    }
-    // Eight tiles of 16 rows x 64 bytes.
-    let mut cfg = TileCfg { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+    struct Config([u8; 64]);
+    let mut cfg = Config([0; 64]);
+    cfg.0[0] = 1;
     for t in 0..8 {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
+        cfg.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
+        cfg.0[48 + t] = 16;
     }
     // SAFETY: `isa()` returned Amx, so the CPU has AMX and the kernel granted this process the tiles;
     // every load below stays inside its buffer (16 rows of `stride` bytes from a row start).
     unsafe {
-        asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileCfg, options(nostack, readonly));
+        asm!("ldtilecfg [{}]", in(reg) &cfg as *const Config, options(nostack, readonly));
         println!("tileloadd of 1 KB, walking a buffer as the matmul walks its weights:");
         for kb in [16usize, 256, 1024, 4096, 65536] {
             let buf = vec![1u8; kb << 10];
@@ -64,7 +60,7 @@ fn main() {
         let n = 100_000;
         let t = Instant::now();
         for _ in 0..n {
-            asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileCfg, options(nostack, readonly));
+            asm!("ldtilecfg [{}]", in(reg) &cfg as *const Config, options(nostack, readonly));
         }
         println!("ldtilecfg: {:.0} ns", t.elapsed().as_secs_f64() * 1e9 / n as f64);
         asm!("tilerelease", options(nomem, nostack));
