@@ -1,5 +1,5 @@
 //! Draft steps of an assistant over a prefilled target cache, repeated: for `perf record` of the
-//! drafter alone (a draft step of the shipped pair is a fifth of a speculative round).
+//! drafter alone (the shipped pair's four draft steps are about a third of a speculative round).
 //!
 //! cargo run --release --example draft_profile -- TARGET_DIR ASSISTANT_DIR [ITERATIONS] [SEQUENCES]
 //!

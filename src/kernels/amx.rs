@@ -99,7 +99,7 @@ fn config(mc: usize) -> TileCfg {
 
 thread_local! {
     /// The `mc` of the configuration this thread's tile registers hold (0: none). It is kept from
-    /// call to call: `ldtilecfg` costs about 200 ns here, as much as a small matmul's compute, and a
+    /// call to call: `ldtilecfg` costs 70-200 ns here, as much as a small matmul's compute, and a
     /// decode step's matmuls all have the same number of activation rows.
     static CONFIGURED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
