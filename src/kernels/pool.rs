@@ -126,7 +126,6 @@ pub(crate) fn in_region() -> bool {
 /// rayon's threads. A single task runs on this thread outside any region, so that what it splits
 /// in turn still gets the pool (one sequence's attention in a batched forward).
 pub(crate) fn for_each(n: usize, f: &(dyn Fn(usize) + Sync + '_)) {
-    // One task runs here, outside any region, so that work it splits can still use the pool.
     if n == 1 {
         return f(0);
     }
