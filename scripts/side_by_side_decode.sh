@@ -7,8 +7,9 @@
 # run it.
 #
 # usage: scripts/side_by_side_decode.sh TANDEM_BIN REPS FORMAT[,FORMAT...] BUILD_DIR[,BUILD_DIR...]
-# env:   A (the kit's directory, default ~/anchors) with gguf/e2b10-FORMAT.gguf and prompt128.txt
-# prints one line per measurement: REP FORMAT ENGINE TOKENS_PER_S (ENGINE: tandem or the build's directory name)
+# env:   A (the kit's directory, default ~/anchors) with gguf/e2b10-FORMAT.gguf and prompt128.txt;
+#        TANDEM_OPTS (e.g. --huge-pages): also run tandem with these global options, as engine tandem<OPTS>
+# prints one line per measurement: REP FORMAT ENGINE TOKENS_PER_S (ENGINE: tandem[OPTS] or the build's directory name)
 set -euo pipefail
 T=$1; REPS=$2; FORMATS=${3//,/ }; BUILDS=${4//,/ }
 A=${A:-$HOME/anchors}; P="$(cat "$A/prompt128.txt")"
@@ -19,8 +20,12 @@ for rep in $(seq "$REPS"); do
           awk -F, '{print $(NF-1)}' | tr -d '"')
       echo "$rep $fmt $(basename "$b") $v"
     done
-    v=$("$T" --threads 2 generate --model "$A/gguf/e2b10-$fmt.gguf" --prompt "$P" --max-new-tokens 64 --ignore-eos \
-        --no-draft --json 2>/dev/null | python3 -c "import json,sys; print(json.load(sys.stdin)['stats']['decode_tokens_per_s'])")
-    echo "$rep $fmt tandem $v"
+    for opts in "" ${TANDEM_OPTS:+"$TANDEM_OPTS"}; do
+      # shellcheck disable=SC2086 # the options are words
+      v=$("$T" --threads 2 $opts generate --model "$A/gguf/e2b10-$fmt.gguf" --prompt "$P" --max-new-tokens 64 \
+          --ignore-eos --no-draft --json 2>/dev/null |
+          python3 -c "import json,sys; print(json.load(sys.stdin)['stats']['decode_tokens_per_s'])")
+      echo "$rep $fmt tandem${opts// /} $v"
+    done
   done
 done

@@ -1,5 +1,6 @@
-"""Summarise scripts/side_by_side_decode.sh output (from a file or stdin): per format, tandem's decode tok/s and each
-llama.cpp build's, and tandem / build as the median of the per-repetition ratios (range, n)."""
+"""Summarise scripts/side_by_side_decode.sh output (from a file or stdin): per format, the decode tok/s of tandem (and
+of each tandem variant run with TANDEM_OPTS) and of each llama.cpp build, and tandem / build as the median of the
+per-repetition ratios (range, n)."""
 import collections, statistics as st, sys
 
 runs = collections.defaultdict(dict)
@@ -16,6 +17,8 @@ for fmt in sorted({f for _, f in runs}):
     for engine in sorted({e for r in reps for e in r}):
         vals = [r[engine] for r in reps if engine in r]
         print(f"{fmt} {engine} decode tok/s: median {st.median(vals):.2f} ({min(vals):.2f}-{max(vals):.2f}, n={len(vals)})")
-        if engine != "tandem":
-            ratio = [r["tandem"] / r[engine] for r in reps if engine in r]
-            print(f"{fmt} tandem / {engine}: median {st.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}, n={len(ratio)})")
+    engines = sorted({e for r in reps for e in r})
+    for t in [e for e in engines if e.startswith("tandem")]:
+        for engine in [e for e in engines if not e.startswith("tandem")] + (["tandem"] if t != "tandem" else []):
+            ratio = [r[t] / r[engine] for r in reps if t in r and engine in r]
+            print(f"{fmt} {t} / {engine}: median {st.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}, n={len(ratio)})")
