@@ -47,7 +47,7 @@ pub fn supported() -> bool {
     *S.get_or_init(|| super::avx512::supported() && is_x86_feature_detected!("avx512vnni"))
 }
 
-/// Whether the CPU also has AVX-512 VBMI (byte permutes), for `Q8_0Vbmi`. Detected once.
+/// Whether the CPU also has AVX-512 VBMI (byte permutes), for `decode_vbmi`. Detected once.
 fn vbmi() -> bool {
     static S: OnceLock<bool> = OnceLock::new();
     *S.get_or_init(|| is_x86_feature_detected!("avx512vbmi"))
@@ -82,7 +82,7 @@ pub fn with_prepared<T>(acts: &QActs, qtype: QType, f: impl FnOnce(&Prepared) ->
     // SAFETY: the CPU has the features (asserted); `prep_rows` sizes the buffer itself.
     let per_row = unsafe {
         match qtype {
-            QType::Q8_0 => prep_rows::<Q8_0>(acts, &mut buf),
+            QType::Q8_0 => prep_rows::<Q8_0<false>>(acts, &mut buf),
             QType::Q4_0 => prep_rows::<Q4_0>(acts, &mut buf),
             QType::Q5_0 => prep_rows::<Q5_0>(acts, &mut buf),
             QType::Q5_1 => prep_rows::<Q5_1>(acts, &mut buf),
@@ -126,8 +126,8 @@ pub fn matmul_prepared(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]]) {
     // read stays inside `w.data` and the prepared rows.
     unsafe {
         match w.qtype {
-            QType::Q8_0 if vbmi() => run::<Q8_0Vbmi>(p, w, out),
-            QType::Q8_0 => run::<Q8_0>(p, w, out),
+            QType::Q8_0 if vbmi() => run::<Q8_0<true>>(p, w, out),
+            QType::Q8_0 => run::<Q8_0<false>>(p, w, out),
             QType::Q4_0 => run::<Q4_0>(p, w, out),
             QType::Q5_0 => run::<Q5_0>(p, w, out),
             QType::Q5_1 => run::<Q5_1>(p, w, out),
@@ -531,7 +531,8 @@ unsafe fn dot32(w: &Step32, a: &Act, st: usize, lines: usize, acc: __m512) -> __
     _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc)
 }
 
-struct Q8_0;
+/// Q8_0; with `VBMI`, decoded with byte permutes (`decode_vbmi`).
+struct Q8_0<const VBMI: bool>;
 struct Q4_0;
 struct Q5_0;
 struct Q5_1;
@@ -541,7 +542,7 @@ struct Q6K;
 struct IQ4NL;
 struct IQ4XS;
 
-impl Format for Q8_0 {
+impl<const VBMI: bool> Format for Q8_0<VBMI> {
     const ROW_AT_A_TIME: bool = false;
     const BB: usize = 34;
     const SB: usize = 4;
@@ -556,6 +557,9 @@ impl Format for Q8_0 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn decode(b: *const u8) -> Step32 {
+        if VBMI {
+            return decode_vbmi(b);
+        }
         let w0 = lanes16(b.add(2), 34);
         let w1 = lanes16(b.add(18), 34);
         Step32 { w0, w1, nc: neg_corr(w0, w1), d: spread4(f16x4(b, 34)), m: _mm512_setzero_ps() }
@@ -568,14 +572,7 @@ impl Format for Q8_0 {
     }
 }
 
-/// Q8_0 where the CPU has AVX-512 VBMI: the step `Q8_0` decodes, the same three vectors, so the same
-/// bits, from four overlapping 64-byte loads of the step's 136 bytes, its quants and scales picked out
-/// by `vpermt2b` (`permute_bytes`), in place of eight 16-byte loads, six inserts and four scalar scale
-/// loads: a decoded step is about half the instructions, and a one-row product no longer runs out of
-/// them before it runs out of memory bandwidth.
-struct Q8_0Vbmi;
-
-/// The byte indices `vpermt2b` takes for `Q8_0Vbmi`: index `i < 64` is byte `i` of the first source,
+/// The byte indices `vpermt2b` takes for `decode_vbmi`: index `i < 64` is byte `i` of the first source,
 /// `64 + i` byte `i` of the second. Quants 0..16 of the 4 blocks (128-bit lane per block) from bytes
 /// 0..128 of the step; quants 16..32 from bytes 16..80 and 72..136; the 4 blocks' f16 scales, each in 4
 /// consecutive 16-bit lanes of the low 256 bits, from bytes 0..128.
@@ -623,35 +620,23 @@ unsafe fn permute_bytes(a: __m512i, idx: __m512i, b: __m512i) -> __m512i {
     r
 }
 
-impl Format for Q8_0Vbmi {
-    const ROW_AT_A_TIME: bool = false;
-    const BB: usize = 34;
-    const SB: usize = 4;
-    const LINES: usize = 3;
-    type W = Step32;
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
-        prep32(acts, r, steps, out, 3)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn decode(b: *const u8) -> Step32 {
-        let ld = |at: usize| _mm512_loadu_si512(b.add(at) as *const _);
-        let ix = |t: &ByteIdx| _mm512_load_si512(t.0.as_ptr() as *const _);
-        let (v0, v64, v16, v72) = (ld(0), ld(64), ld(16), ld(72));
-        let w0 = permute_bytes(v0, ix(&Q8_LO), v64);
-        let w1 = permute_bytes(v16, ix(&Q8_HI), v72);
-        let d = _mm512_cvtph_ps(_mm512_castsi512_si256(permute_bytes(v0, ix(&Q8_D), v64)));
-        Step32 { w0, w1, nc: neg_corr(w0, w1), d, m: _mm512_setzero_ps() }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn dot(w: &Step32, a: &Act, st: usize, acc: __m512) -> __m512 {
-        dot32(w, a, st, 3, acc)
-    }
+/// The step `Q8_0` decodes, the same three vectors (so the same bits), where the CPU has AVX-512 VBMI:
+/// from four overlapping 64-byte loads of the step's 136 bytes, its quants and scales picked out by
+/// `vpermt2b`, in place of eight 16-byte loads, six inserts and four scalar scale loads, about half
+/// the instructions.
+///
+/// # Safety
+/// AVX-512 VNNI + VBMI CPU; `b` readable for 136 bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn decode_vbmi(b: *const u8) -> Step32 {
+    let ld = |at: usize| _mm512_loadu_si512(b.add(at) as *const _);
+    let ix = |t: &ByteIdx| _mm512_load_si512(t.0.as_ptr() as *const _);
+    let (v0, v64, v16, v72) = (ld(0), ld(64), ld(16), ld(72));
+    let w0 = permute_bytes(v0, ix(&Q8_LO), v64);
+    let w1 = permute_bytes(v16, ix(&Q8_HI), v72);
+    let d = _mm512_cvtph_ps(_mm512_castsi512_si256(permute_bytes(v0, ix(&Q8_D), v64)));
+    Step32 { w0, w1, nc: neg_corr(w0, w1), d, m: _mm512_setzero_ps() }
 }
 
 impl Format for Q4_0 {
@@ -1093,12 +1078,12 @@ mod tests {
     use crate::kernels::quant::quantize_acts;
     use crate::kernels::tests::Rng;
 
-    /// `Q8_0Vbmi` decodes every step, whole or a row's last partial one, to the very vectors `Q8_0`
+    /// `decode_vbmi` decodes every step, whole or a row's last partial one, to the very vectors `Q8_0`
     /// does, so products over it have the same bits at every row count.
     #[test]
     fn q8_0_vbmi_is_q8_0() {
         if !supported() || !vbmi() {
-            eprintln!("no AVX-512 VNNI + VBMI on this CPU: Q8_0Vbmi not tested");
+            eprintln!("no AVX-512 VNNI + VBMI on this CPU: decode_vbmi not tested");
             return;
         }
         let mut rng = Rng(31);
@@ -1117,9 +1102,9 @@ mod tests {
                     with_prepared(&acts, QType::Q8_0, |p| unsafe {
                         // SAFETY: the CPU has the features (checked above); shapes match.
                         if vbmi {
-                            run::<Q8_0Vbmi>(p, w, &mut outs)
+                            run::<Q8_0<true>>(p, w, &mut outs)
                         } else {
-                            run::<Q8_0>(p, w, &mut outs)
+                            run::<Q8_0<false>>(p, w, &mut outs)
                         }
                     });
                     got
@@ -1135,7 +1120,7 @@ mod tests {
         for _ in 0..200 {
             let step: Vec<u8> = (0..4 * 34).map(|_| rng.next() as u8).collect();
             // SAFETY: 136 readable bytes; the CPU has the features.
-            let (a, b) = unsafe { (Q8_0::decode(step.as_ptr()), Q8_0Vbmi::decode(step.as_ptr())) };
+            let (a, b) = unsafe { (Q8_0::<false>::decode(step.as_ptr()), Q8_0::<true>::decode(step.as_ptr())) };
             let bits = |s: &Step32| unsafe {
                 let mut v = [0u32; 64];
                 _mm512_storeu_si512(v.as_mut_ptr() as *mut _, s.w0);
