@@ -531,7 +531,7 @@ unsafe fn dot32(w: &Step32, a: &Act, st: usize, lines: usize, acc: __m512) -> __
     _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc)
 }
 
-/// Q8_0; with `VBMI`, decoded with byte permutes (`decode_vbmi`).
+/// Q8_0; with `VBMI`, decoded with byte permutes (`decode_vbmi`): only where the CPU has them (`vbmi`).
 struct Q8_0<const VBMI: bool>;
 struct Q4_0;
 struct Q5_0;
@@ -1121,6 +1121,7 @@ mod tests {
             let step: Vec<u8> = (0..4 * 34).map(|_| rng.next() as u8).collect();
             // SAFETY: 136 readable bytes; the CPU has the features.
             let (a, b) = unsafe { (Q8_0::<false>::decode(step.as_ptr()), Q8_0::<true>::decode(step.as_ptr())) };
+            // SAFETY: AVX-512F (checked above); each store writes 16 lanes inside `v`.
             let bits = |s: &Step32| unsafe {
                 let mut v = [0u32; 64];
                 _mm512_storeu_si512(v.as_mut_ptr() as *mut _, s.w0);
