@@ -295,26 +295,13 @@ pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnM
         let kc = k.div_ceil(k.div_ceil(kc_max.max(step)).max(1)).div_ceil(step).max(1) * step;
         (kc, k.div_ceil(kc).max(1))
     };
-    // Prefetch of weight rows `j..j+rows`, K range `k0..k1`, split in `parts`: part `p`.
-    let prefetch = |j: usize, k0: usize, k1: usize, parts: usize, p: usize, steps: usize| -> Pf<'w> {
+    // Prefetch of weight rows `j..j+rows`, K range `k0..k1` (k-outer order: one call per tile and
+    // chunk, so no share to split).
+    let prefetch = |j: usize, k0: usize, k1: usize, steps: usize| -> Pf<'w> {
         if j + rows > n || k1 <= k0 {
             return Pf::NONE;
         }
         let piece = (k1 - k0) * size;
-        if k0 == 0 && k1 == k {
-            // Whole rows: one contiguous range, split in whole cache lines.
-            let all = &w.data[j * row_bytes..(j + rows) * row_bytes];
-            let share = all.len().div_ceil(64).div_ceil(parts) * 64;
-            let span = &all[(p * share).min(all.len())..((p + 1) * share).min(all.len())];
-            return Pf {
-                span,
-                piece: span.len(),
-                stride: 0,
-                rows: 1,
-                per: span.len().div_ceil(64).div_ceil(steps.max(1)),
-            };
-        }
-        // A chunk of `rows` rows (k-outer order has one call per tile and chunk: no split).
         let span = &w.data[j * row_bytes + k0 * size..(j + rows - 1) * row_bytes + k1 * size];
         Pf { span, piece, stride: row_bytes, rows, per: (rows * piece.div_ceil(64)).div_ceil(steps.max(1)) }
     };
@@ -328,8 +315,7 @@ pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnM
                 let (mut j, mut slot) = (p0, 0);
                 while j < p1 {
                     let r = if p1 - j >= rows { rows } else { 1 };
-                    let pf =
-                        if r == rows { prefetch(j + rows, k0, k1, 1, 0, (k1 - k0).div_ceil(step)) } else { Pf::NONE };
+                    let pf = if r == rows { prefetch(j + rows, k0, k1, (k1 - k0).div_ceil(step)) } else { Pf::NONE };
                     f(&Tile { i: 0, c: m, j, r, slot, k0, k1, first: ch == 0, last: ch + 1 == chunks, pf });
                     j += r;
                     slot += 1;
@@ -345,15 +331,26 @@ pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnM
         let (kc, chunks) = if groups == 1 { (k, 1) } else { split_k(plan.kc) };
         // Steps of the shortest call, so every call finishes its share of the prefetch.
         let steps = (k - (chunks - 1) * kc).div_ceil(step).max(1);
+        // Each call's share of the next tile's whole rows (the same for every tile), worked out once:
+        // a tile of a drafter's matrix is a few kernel steps, and the divisions cost as much.
+        let shares = prefetch_shares(rows * row_bytes, groups * chunks, steps);
         let mut j = 0;
         while j < n {
             let r = if n - j >= rows { rows } else { 1 };
+            // The next tile's rows, if it is a whole one.
+            let next = w.data.get((j + rows) * row_bytes..(j + 2 * rows) * row_bytes).filter(|_| r == rows);
             let mut call = 0;
             for ch in 0..chunks {
                 let (k0, k1) = (ch * kc, k.min((ch + 1) * kc));
                 for g in 0..groups {
                     let i = i0 + g * group;
-                    let pf = if r == rows { prefetch(j + rows, 0, k, groups * chunks, call, steps) } else { Pf::NONE };
+                    let pf = match next {
+                        Some(all) => {
+                            let (at, len, per) = shares[call];
+                            Pf { span: &all[at..at + len], piece: len, stride: 0, rows: 1, per }
+                        }
+                        None => Pf::NONE,
+                    };
                     f(&Tile {
                         i,
                         c: group.min(i1 - i),
@@ -374,10 +371,47 @@ pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnM
     }
 }
 
+/// Where call `p` of `parts` finds its share of a `bytes`-long prefetch, in whole cache lines: offset,
+/// length, and the lines to issue per kernel step so that a call of `steps` steps covers its share.
+fn prefetch_shares(bytes: usize, parts: usize, steps: usize) -> Vec<(usize, usize, usize)> {
+    let share = bytes.div_ceil(64).div_ceil(parts.max(1)) * 64;
+    (0..parts.max(1))
+        .map(|p| {
+            let (a, b) = ((p * share).min(bytes), ((p + 1) * share).min(bytes));
+            (a, b - a, (b - a).div_ceil(64).div_ceil(steps.max(1)))
+        })
+        .collect()
+}
+
 /// Store the `c × r` results of one tile into the per-row output slices.
 #[inline(always)]
 pub(crate) fn store_tile<const C: usize>(res: &[[f32; 4]; C], out: &mut [&mut [f32]], i: usize, j: usize, r: usize) {
     for (c, v) in res.iter().enumerate() {
         out[i + c][j..j + r].copy_from_slice(&v[..r]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefetch_shares;
+
+    #[test]
+    fn prefetch_shares_cover_the_range_once_in_whole_lines() {
+        for bytes in [0, 64, 100, 3072, 12288, 12290] {
+            for parts in [1, 2, 3, 7, 300] {
+                for steps in [1, 8, 96] {
+                    let shares = prefetch_shares(bytes, parts, steps);
+                    assert_eq!(shares.len(), parts);
+                    let mut at = 0;
+                    for &(a, len, per) in &shares {
+                        assert_eq!(a, at, "{bytes} {parts} {steps}");
+                        assert!(a % 64 == 0 || len == 0);
+                        assert!(per * steps * 64 >= len, "{bytes} {parts} {steps}: {per} lines a step");
+                        at += len;
+                    }
+                    assert_eq!(at, bytes);
+                }
+            }
+        }
     }
 }
