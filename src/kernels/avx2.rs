@@ -4,8 +4,8 @@
 //! masked 16-bit loads, so a K tail shorter than a vector is copied into a zeroed stack buffer
 //! first; f32 tails use `vmaskmovps` (masked-off lanes never fault).
 
-use super::tiling::{pack_panels, Plan, Tile, L1_BUDGET};
-use super::x86::{drive, Prefetch};
+use super::tiling::{for_row_chunks, pack_panels, Panels, Plan, Tile, L1_BUDGET};
+use super::x86::{check_gather, drive, prefetch_rows_ahead, short_rows, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -59,6 +59,16 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
     assert!(supported(), "AVX2 kernels on a CPU without AVX2/FMA/F16C");
     let k = w.cols;
     match w.dtype {
+        DType::BF16 if short_rows(m, &w) => {
+            let xp = pack_row(x, k);
+            let xs = xp.data();
+            for_row_chunks(w, 1, out, split, |wc, outs| {
+                let (rb, base) = (wc.cols * 2, wc.data.as_ptr());
+                // SAFETY: the CPU has the features (asserted above); the panel covers K rounded up to
+                // 16, and rows 0..wc.rows of the chunk are in `wc.data`.
+                unsafe { dot_rows(xs.as_ptr(), wc.cols, wc.rows, |i| base.add(i * rb), &mut *outs[0]) }
+            });
+        }
         DType::BF16 => {
             let plan = plan(m, k, 16, 4, 2);
             // SAFETY: the CPU has the features, asserted above.
@@ -224,6 +234,92 @@ unsafe fn tile_bf16<const R: usize, const C: usize>(
         step!(p => _mm256_loadu_si256(tail_copy(p, n).as_ptr() as *const _));
     }
     acc_finish(t, &a, acc)
+}
+
+/// `out[i] = x · row(i)` for one activation row (a one-row `pack_bf16_eo` panel) and `n` bf16 weight
+/// rows of `k`, four rows at a time, without the tile driver (`short_rows`; the drafter's matrices and
+/// its centroid head's candidates). A row gets the bits `tile_bf16` gives it in any tile: its
+/// accumulator takes the same even and odd products of the same 16-element steps from zero, the tail
+/// through the same zeroed copy, and `hsum4` sums each vector by the same tree.
+///
+/// # Safety
+/// AVX2 + FMA; `x` covers `k` rounded up to 16; `row(i)` points at `k` readable bf16 for every
+/// `i < n`; `out.len() == n`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_rows(x: *const f32, k: usize, n: usize, row: impl Fn(usize) -> *const u8, out: &mut [f32]) {
+    debug_assert_eq!(out.len(), n);
+    for (g, res) in out.chunks_mut(4).enumerate() {
+        let i0 = 4 * g;
+        prefetch_rows_ahead(i0, n, 2 * k, &row);
+        let rows = |r: usize| if r < res.len() { row(i0 + r) } else { std::ptr::null() };
+        let a = match res.len() {
+            4 => dot_group::<4>(x, k, std::array::from_fn(rows)),
+            3 => widen(dot_group::<3>(x, k, std::array::from_fn(rows))),
+            2 => widen(dot_group::<2>(x, k, std::array::from_fn(rows))),
+            _ => widen(dot_group::<1>(x, k, std::array::from_fn(rows))),
+        };
+        let mut sums = [0f32; 4];
+        _mm_storeu_ps(sums.as_mut_ptr(), hsum4(a[0], a[1], a[2], a[3]));
+        res.copy_from_slice(&sums[..res.len()]);
+    }
+}
+
+/// `R` accumulators padded with zero vectors to four.
+#[inline]
+#[target_feature(enable = "avx")]
+fn widen<const R: usize>(a: [__m256; R]) -> [__m256; 4] {
+    std::array::from_fn(|r| if r < R { a[r] } else { _mm256_setzero_ps() })
+}
+
+/// `dot_rows`' accumulators for `R` rows at `rows` (the steps of `tile_bf16::<R, 1>`).
+///
+/// # Safety
+/// As `dot_rows`, for each of the `R` rows.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_group<const R: usize>(x: *const f32, k: usize, rows: [*const u8; R]) -> [__m256; R] {
+    let hi = _mm256_set1_epi32(0xffff_0000u32 as i32);
+    let mut a = [_mm256_setzero_ps(); R];
+    let mut kk = 0;
+    macro_rules! step {
+        ($p:ident => $load:expr) => {{
+            let (xe, xo) = (_mm256_loadu_ps(x.add(kk)), _mm256_loadu_ps(x.add(kk + 8)));
+            for r in 0..R {
+                let $p = rows[r].add(kk * 2);
+                let v: __m256i = $load;
+                a[r] = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v)), a[r]);
+                a[r] = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(v, hi)), a[r]);
+            }
+        }};
+    }
+    while kk + 16 <= k {
+        step!(p => _mm256_loadu_si256(p as *const _));
+        kk += 16;
+    }
+    if kk < k {
+        let n = (k - kk) * 2;
+        step!(p => _mm256_loadu_si256(tail_copy(p, n).as_ptr() as *const _));
+    }
+    a
+}
+
+/// `out[i] = x · w[ids[i]]` for one activation row, reading each weight row where it is stored (the
+/// drafter's centroid head: its candidates are scattered over the embedding). Every row gets the bits
+/// `matmul` gives it (see `dot_rows`).
+pub fn gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32]) {
+    assert!(supported(), "AVX2 kernels on a CPU without AVX2/FMA/F16C");
+    check_gather(x, &w, ids, out);
+    let xp = pack_row(x, w.cols);
+    let (rb, base) = (w.cols * 2, w.data.as_ptr());
+    // SAFETY: as above; `xp` holds x rounded up to whole steps and every id is a row of `w`.
+    unsafe { dot_rows(xp.data().as_ptr(), w.cols, ids.len(), |i| base.add(ids[i] as usize * rb), out) }
+}
+
+/// One activation row as `dot_rows` reads it (a one-row `pack_bf16_eo` panel). The caller has checked
+/// that the CPU has AVX2.
+fn pack_row(x: &[f32], k: usize) -> Panels<f32> {
+    // SAFETY: the CPU has the features (checked by the caller, `matmul` or `gather`).
+    pack_panels(x, 1, k, 16, 1, |src, dst| unsafe { pack_bf16_eo(src, dst) })
 }
 
 /// Tile kernel for weights widened to f32 by `$full` (8 at `$p`) / `$tail` (the last `$n` < 8 at

@@ -9,7 +9,7 @@
 
 use super::avx512::{acc_finish, acc_load, acc_storage, bf16_bits16, hsum4, plan, shapes, Acc};
 use super::tiling::{pack_panels, Panels, Tile};
-use super::x86::{drive, Prefetch};
+use super::x86::{check_gather, drive, prefetch_rows_ahead, short_rows, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 
@@ -17,17 +17,10 @@ pub fn supported() -> bool {
     super::avx512::supported() && is_x86_feature_detected!("avx512bf16")
 }
 
-/// One activation row against a small matrix with short rows (a drafter's: K of 128-512, at most
-/// 256 KiB) goes through `dot_rows` rather than the tile driver: with a few kernel steps per tile, the
-/// driver's work per tile (accumulator set-up, prefetch plan, stores) costs as much as the steps.
-/// Larger matrices keep the driver, whose prefetching streams them from memory.
-const SHORT_K: usize = 512;
-const SHORT_BYTES: usize = 256 << 10;
-
 pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
     assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
     assert_eq!(w.dtype, DType::BF16);
-    if m == 1 && w.cols <= SHORT_K && w.data.len() <= SHORT_BYTES {
+    if short_rows(m, &w) {
         let xp = pack_row(x, w.cols);
         let xs = xp.data();
         super::tiling::for_row_chunks(w, 1, out, split, |wc, outs| {
@@ -106,9 +99,7 @@ unsafe fn tile<const R: usize, const C: usize>(
 /// `matmul` gives it (see `dot_rows`).
 pub fn gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32]) {
     assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
-    assert_eq!(w.dtype, DType::BF16);
-    assert!(x.len() == w.cols && ids.len() == out.len(), "gather shapes");
-    assert!(ids.iter().all(|&id| (id as usize) < w.rows), "gather: a row id past the matrix");
+    check_gather(x, &w, ids, out);
     let xp = pack_row(x, w.cols);
     let (rb, base) = (w.cols * 2, w.data.as_ptr());
     // SAFETY: as above; `xp` holds x rounded up to whole steps and every id is a row of `w`.
@@ -131,17 +122,10 @@ fn pack_row(x: &[f32], k: usize) -> Panels<u16> {
 /// readable bf16 for every `i < n`; `out.len() == n`.
 #[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
 unsafe fn dot_rows(x: *const u16, k: usize, n: usize, row: impl Fn(usize) -> *const u8, out: &mut [f32]) {
-    /// Rows ahead whose bytes are prefetched.
-    const AHEAD: usize = 8;
     debug_assert_eq!(out.len(), n);
     for (g, res) in out.chunks_mut(4).enumerate() {
         let i0 = 4 * g;
-        for ahead in (i0 + AHEAD..n).take(4) {
-            let p = row(ahead);
-            for line in (0..2 * k).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(p.add(line) as *const i8);
-            }
-        }
+        prefetch_rows_ahead(i0, n, 2 * k, &row);
         let rows: [*const u8; 4] = std::array::from_fn(|r| if r < res.len() { row(i0 + r) } else { std::ptr::null() });
         let mut a = [_mm512_setzero_ps(); 4];
         let mut kk = 0;

@@ -612,9 +612,11 @@ pub fn matmul_gather<'a>(x: &[f32], w: impl Into<Weight<'a>>, ids: &[u32], out: 
     let w = w.into();
     assert_eq!(ids.len(), out.len(), "matmul_gather output size");
     #[cfg(target_arch = "x86_64")]
-    if let (Isa::Avx512Bf16, Weight::Float(f)) = (isa(), &w) {
-        if f.dtype == DType::BF16 {
-            return avx512bf16::gather(x, *f, ids, out);
+    if let Weight::Float(f) = &w {
+        match (isa(), f.dtype) {
+            (Isa::Avx512Bf16, DType::BF16) => return avx512bf16::gather(x, *f, ids, out),
+            (Isa::Avx2, DType::BF16) => return avx2::gather(x, *f, ids, out),
+            _ => {}
         }
     }
     let row = w.row_bytes();

@@ -1,7 +1,39 @@
 //! Plumbing shared by the x86 SIMD matmuls: the tile driver and the software prefetcher.
 
 use super::tiling::Tile;
+use super::{DType, MatRef};
 use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+
+/// One activation row against a small bf16 matrix with short rows (a drafter's: K of 128-512, at most
+/// 256 KiB) goes through a kernel's `dot_rows` rather than the tile driver: with a few kernel steps
+/// per tile, the driver's work per tile (accumulator set-up, prefetch plan, stores) costs as much as
+/// the steps. Larger matrices keep the driver, whose prefetching streams them from memory.
+pub(super) fn short_rows(m: usize, w: &MatRef) -> bool {
+    const SHORT_K: usize = 512;
+    const SHORT_BYTES: usize = 256 << 10;
+    m == 1 && w.dtype == DType::BF16 && w.cols <= SHORT_K && w.data.len() <= SHORT_BYTES
+}
+
+/// `dot_rows`' prefetch, before the group of four rows from `i0` (of `n`): the four rows eight
+/// further on, `row_bytes` each, found by `row`.
+#[inline(always)]
+pub(super) fn prefetch_rows_ahead(i0: usize, n: usize, row_bytes: usize, row: &impl Fn(usize) -> *const u8) {
+    const AHEAD: usize = 8;
+    for ahead in (i0 + AHEAD..n).take(4) {
+        let p = row(ahead);
+        for line in (0..row_bytes).step_by(64) {
+            // SAFETY: a prefetch has no architectural effect and never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line) as *const i8) };
+        }
+    }
+}
+
+/// The shapes a `gather` needs: one x row of `w.cols`, one output per id, every id a row of `w`.
+pub(super) fn check_gather(x: &[f32], w: &MatRef, ids: &[u32], out: &[f32]) {
+    assert_eq!(w.dtype, DType::BF16);
+    assert!(x.len() == w.cols && ids.len() == out.len(), "gather shapes");
+    assert!(ids.iter().all(|&id| (id as usize) < w.rows), "gather: a row id past the matrix");
+}
 
 /// Issues a tile call's share of the next tile's prefetch (a `Pf`), `per` cache lines per
 /// kernel step.
