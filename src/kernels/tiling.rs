@@ -333,7 +333,7 @@ pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnM
         let steps = (k - (chunks - 1) * kc).div_ceil(step).max(1);
         // Each call's share of the next tile's whole rows (the same for every tile), worked out once:
         // a tile of a drafter's matrix is a few kernel steps, and the divisions cost as much.
-        let shares = prefetch_shares(rows * row_bytes, groups * chunks, steps);
+        let shares = Shares::new(rows * row_bytes, groups * chunks, steps);
         let mut j = 0;
         while j < n {
             let r = if n - j >= rows { rows } else { 1 };
@@ -346,7 +346,7 @@ pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnM
                     let i = i0 + g * group;
                     let pf = match next {
                         Some(all) => {
-                            let (at, len, per) = shares[call];
+                            let (at, len, per) = shares.get(call);
                             Pf { span: &all[at..at + len], piece: len, stride: 0, rows: 1, per }
                         }
                         None => Pf::NONE,
@@ -371,16 +371,30 @@ pub(crate) fn for_tiles<'w>(m: usize, w: MatRef<'w>, plan: Plan, mut f: impl FnM
     }
 }
 
-/// Where call `p` of `parts` finds its share of a `bytes`-long prefetch, in whole cache lines: offset,
-/// length, and the lines to issue per kernel step so that a call of `steps` steps covers its share.
-fn prefetch_shares(bytes: usize, parts: usize, steps: usize) -> Vec<(usize, usize, usize)> {
-    let share = bytes.div_ceil(64).div_ceil(parts.max(1)) * 64;
-    (0..parts.max(1))
-        .map(|p| {
-            let (a, b) = ((p * share).min(bytes), ((p + 1) * share).min(bytes));
-            (a, b - a, (b - a).div_ceil(64).div_ceil(steps.max(1)))
-        })
-        .collect()
+/// Where each of `parts` calls finds its share of a `bytes`-long prefetch, in whole cache lines.
+#[derive(Clone, Copy)]
+struct Shares {
+    bytes: usize,
+    /// Bytes per share (whole lines), and lines per kernel step for a whole share.
+    share: usize,
+    per: usize,
+    steps: usize,
+}
+
+impl Shares {
+    fn new(bytes: usize, parts: usize, steps: usize) -> Shares {
+        let (share, steps) = (bytes.div_ceil(64).div_ceil(parts.max(1)) * 64, steps.max(1));
+        Shares { bytes, share, per: (share / 64).div_ceil(steps), steps }
+    }
+
+    /// Call `p`'s share: offset, length, and the lines to issue per kernel step so that a call of
+    /// `steps` steps covers it. Only a short last share costs a division.
+    #[inline]
+    fn get(&self, p: usize) -> (usize, usize, usize) {
+        let (a, b) = ((p * self.share).min(self.bytes), ((p + 1) * self.share).min(self.bytes));
+        let per = if b - a == self.share { self.per } else { (b - a).div_ceil(64).div_ceil(self.steps) };
+        (a, b - a, per)
+    }
 }
 
 /// Store the `c × r` results of one tile into the per-row output slices.
@@ -393,17 +407,16 @@ pub(crate) fn store_tile<const C: usize>(res: &[[f32; 4]; C], out: &mut [&mut [f
 
 #[cfg(test)]
 mod tests {
-    use super::prefetch_shares;
+    use super::Shares;
 
     #[test]
     fn prefetch_shares_cover_the_range_once_in_whole_lines() {
         for bytes in [0, 64, 100, 3072, 12288, 12290] {
             for parts in [1, 2, 3, 7, 300] {
                 for steps in [1, 8, 96] {
-                    let shares = prefetch_shares(bytes, parts, steps);
-                    assert_eq!(shares.len(), parts);
+                    let shares = Shares::new(bytes, parts, steps);
                     let mut at = 0;
-                    for &(a, len, per) in &shares {
+                    for (a, len, per) in (0..parts).map(|p| shares.get(p)) {
                         assert_eq!(a, at, "{bytes} {parts} {steps}");
                         assert!(a % 64 == 0 || len == 0);
                         assert!(per * steps * 64 >= len, "{bytes} {parts} {steps}: {per} lines a step");

@@ -20,10 +20,12 @@ pub(super) fn short_rows(m: usize, w: &MatRef) -> bool {
 pub(super) fn prefetch_rows_ahead(i0: usize, n: usize, row_bytes: usize, row: &impl Fn(usize) -> *const u8) {
     const AHEAD: usize = 8;
     for ahead in (i0 + AHEAD..n).take(4) {
-        let p = row(ahead);
-        for line in (0..row_bytes).step_by(64) {
+        let (mut p, end) = (row(ahead), row(ahead).wrapping_add(row_bytes));
+        // A plain pointer loop: `step_by` cost more instructions than the prefetches themselves.
+        while p < end {
             // SAFETY: a prefetch has no architectural effect and never faults.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line) as *const i8) };
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+            p = p.wrapping_add(64);
         }
     }
 }
