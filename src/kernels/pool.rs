@@ -124,7 +124,9 @@ pub(crate) fn in_region() -> bool {
 
 /// `f(0)..f(n)` in parallel: on the pool when it is free, on this thread inside a region, else on
 /// rayon's threads. A single task runs on this thread outside any region, so that what it splits
-/// in turn still gets the pool (one sequence's attention in a batched forward).
+/// in turn still gets the pool (one sequence's attention in a batched forward). So does everything
+/// when rayon has one thread (`--threads 1`): handing the tasks to it would only add a wake-up and a
+/// sleep per call (a quarter of a four-sequence draft step's time on one thread, mostly in the kernel).
 pub(crate) fn for_each(n: usize, f: &(dyn Fn(usize) + Sync + '_)) {
     if n == 1 {
         return f(0);
@@ -132,7 +134,7 @@ pub(crate) fn for_each(n: usize, f: &(dyn Fn(usize) + Sync + '_)) {
     if run(n, f) {
         return;
     }
-    if in_region() || n <= 1 {
+    if in_region() || n <= 1 || rayon::current_num_threads() <= 1 {
         (0..n).for_each(f);
     } else {
         use rayon::prelude::*;
