@@ -606,8 +606,9 @@ pub fn argmax(x: &[f32]) -> usize {
 }
 
 /// `out[i] = Σ_k x[k] · w[ids[i], k]`: one input row against selected weight rows (the centroid head's
-/// candidates). The rows are copied into one contiguous block and multiplied by `matmul`, so each result
-/// is bit-identical to that row's entry of a full `matmul`.
+/// candidates), each result bit-identical to that row's entry of a full `matmul`. With AVX512_BF16 or
+/// AVX2 and bf16 weights the rows are read where they are stored, by the kernel's one-row path; otherwise
+/// they are copied into one contiguous block and multiplied by `matmul`.
 pub fn matmul_gather<'a>(x: &[f32], w: impl Into<Weight<'a>>, ids: &[u32], out: &mut [f32]) {
     let w = w.into();
     assert_eq!(ids.len(), out.len(), "matmul_gather output size");

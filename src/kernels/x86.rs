@@ -1,4 +1,5 @@
-//! Plumbing shared by the x86 SIMD matmuls: the tile driver and the software prefetcher.
+//! Plumbing shared by the x86 SIMD matmuls: the tile driver, the software prefetcher, and the
+//! one-row short path's rules (`short_rows`, `check_gather`).
 
 use super::tiling::Tile;
 use super::{DType, MatRef};
@@ -21,7 +22,7 @@ pub(super) fn prefetch_rows_ahead(i0: usize, n: usize, row_bytes: usize, row: &i
     const AHEAD: usize = 8;
     for ahead in (i0 + AHEAD..n).take(4) {
         let (mut p, end) = (row(ahead), row(ahead).wrapping_add(row_bytes));
-        // A plain pointer loop: `step_by` cost more instructions than the prefetches themselves.
+        // A plain pointer loop: `step_by` took several instructions more per line.
         while p < end {
             // SAFETY: a prefetch has no architectural effect and never faults.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
