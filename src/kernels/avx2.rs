@@ -5,7 +5,7 @@
 //! first; f32 tails use `vmaskmovps` (masked-off lanes never fault).
 
 use super::tiling::{for_row_chunks, pack_panels, Panels, Plan, Tile, L1_BUDGET};
-use super::x86::{check_gather, drive, prefetch_rows_ahead, short_rows, Prefetch};
+use super::x86::{check_gather, drive, prefetch_rows_ahead, short_rows, split_gather, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -304,15 +304,18 @@ unsafe fn dot_group<const R: usize>(x: *const f32, k: usize, rows: [*const u8; R
 }
 
 /// `out[i] = x · w[ids[i]]` for one activation row, reading each weight row where it is stored (the
-/// drafter's centroid head: its candidates are scattered over the embedding). Every row gets the bits
-/// `matmul` gives it (see `dot_rows`).
-pub fn gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32]) {
+/// drafter's centroid head: its candidates are scattered over the embedding), split over the pool
+/// (`split_gather`). Every row gets the bits `matmul` gives it (see `dot_rows`).
+pub fn gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32], split: Split) {
     assert!(supported(), "AVX2 kernels on a CPU without AVX2/FMA/F16C");
     check_gather(x, &w, ids, out);
     let xp = pack_row(x, w.cols);
-    let (rb, base) = (w.cols * 2, w.data.as_ptr());
-    // SAFETY: as above; `xp` holds x rounded up to whole steps and every id is a row of `w`.
-    unsafe { dot_rows(xp.data().as_ptr(), w.cols, ids.len(), |i| base.add(ids[i] as usize * rb), out) }
+    let (xs, k, data) = (xp.data(), w.cols, w.data);
+    split_gather(&w, ids, out, split, |ids, out| {
+        let base = data.as_ptr();
+        // SAFETY: as above; `xs` holds x rounded up to whole steps and every id is a row of `w`.
+        unsafe { dot_rows(xs.as_ptr(), k, ids.len(), |i| base.add(ids[i] as usize * k * 2), out) }
+    });
 }
 
 /// One activation row as `dot_rows` reads it (a one-row `pack_bf16_eo` panel). The caller has checked

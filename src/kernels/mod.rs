@@ -615,8 +615,8 @@ pub fn matmul_gather<'a>(x: &[f32], w: impl Into<Weight<'a>>, ids: &[u32], out: 
     #[cfg(target_arch = "x86_64")]
     if let Weight::Float(f) = &w {
         match (isa(), f.dtype) {
-            (Isa::Avx512Bf16, DType::BF16) => return avx512bf16::gather(x, *f, ids, out),
-            (Isa::Avx2, DType::BF16) => return avx2::gather(x, *f, ids, out),
+            (Isa::Avx512Bf16, DType::BF16) => return avx512bf16::gather(x, *f, ids, out, Split::Auto),
+            (Isa::Avx2, DType::BF16) => return avx2::gather(x, *f, ids, out, Split::Auto),
             _ => {}
         }
     }

@@ -249,18 +249,21 @@ fn gathered_rows_have_the_bits_of_the_matmul_over_them() {
             // The kernels that read the candidates in place, whichever the process uses.
             #[cfg(target_arch = "x86_64")]
             {
-                type Gather = fn(&[f32], MatRef, &[u32], &mut [f32]);
+                type Gather = fn(&[f32], MatRef, &[u32], &mut [f32], Split);
                 let direct: [(Isa, bool, Gather); 2] = [
                     (Isa::Avx512Bf16, avx512bf16::supported(), avx512bf16::gather),
                     (Isa::Avx2, avx2::supported(), avx2::gather),
                 ];
                 for (isa, _, gather) in direct.into_iter().filter(|d| d.1 && dtype == DType::BF16) {
-                    let mut got = vec![0f32; n];
-                    gather(&x, w.mat(), &ids, &mut got);
                     let mut full = vec![0f32; rows];
                     matmul_with(isa, &x, 1, w.mat(), &mut full);
-                    for (i, &id) in ids.iter().enumerate() {
-                        assert_eq!(got[i].to_bits(), full[id as usize].to_bits(), "{isa} {rows}x{cols}: id {id}");
+                    // On this thread, and in runs of 48 ids over the pool.
+                    for split in [Split::Auto, Split::Rows(1)] {
+                        let mut got = vec![0f32; n];
+                        gather(&x, w.mat(), &ids, &mut got, split);
+                        for (i, &id) in ids.iter().enumerate() {
+                            assert_eq!(got[i].to_bits(), full[id as usize].to_bits(), "{isa} {rows}x{cols}: id {id}");
+                        }
                     }
                 }
             }
