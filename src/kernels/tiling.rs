@@ -106,7 +106,7 @@ where
 }
 
 /// x packed by [`pack_panels`]: `data()` starts on a 64-byte boundary.
-pub(crate) struct Panels<T> {
+pub(crate) struct Panels<T: PanelElem> {
     buf: Vec<T>,
     off: usize,
     len: usize,
@@ -114,23 +114,61 @@ pub(crate) struct Panels<T> {
     pub kp: usize,
 }
 
-impl<T> Panels<T> {
+impl<T: PanelElem> Panels<T> {
     pub fn data(&self) -> &[T] {
         &self.buf[self.off..self.off + self.len]
     }
 }
 
+/// Panel buffers up to this size go back to their thread when dropped, for the next matmul there:
+/// a drafter step packs about a hundred small panels, and allocating each zeroed cost 2 % of its
+/// instructions. Larger ones (prefill) are freed, so a thread never holds more than this.
+const SPARE_MAX_BYTES: usize = 1 << 20;
+
+impl<T: PanelElem> Drop for Panels<T> {
+    fn drop(&mut self) {
+        if self.buf.capacity() * std::mem::size_of::<T>() <= SPARE_MAX_BYTES {
+            let buf = std::mem::take(&mut self.buf);
+            // During thread teardown the spare may be gone already; the buffer is then just freed.
+            let _ = T::spare().try_with(|s| {
+                let mut s = s.borrow_mut();
+                if s.capacity() < buf.capacity() {
+                    *s = buf;
+                }
+            });
+        }
+    }
+}
+
+/// An element type of packed panels, with its thread's spare buffer (see `SPARE_MAX_BYTES`).
+pub(crate) trait PanelElem: Copy + Default + 'static {
+    fn spare() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Self>>>;
+}
+
+macro_rules! panel_elem {
+    ($($t:ty),*) => {$(
+        impl PanelElem for $t {
+            fn spare() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<$t>>> {
+                thread_local!(static SPARE: std::cell::RefCell<Vec<$t>> = const { std::cell::RefCell::new(Vec::new()) });
+                &SPARE
+            }
+        }
+    )*};
+}
+panel_elem!(f32, u16);
+
 /// Lay `x` (`[m, k]`) out as the tile kernels read it: x rows in groups of `group` (the last one may
 /// be shorter), each group a panel where K step `s` holds the `step`-element slices of the group's
 /// rows one after the other. A kernel then finds row `c` of its group at `panel + kk·C + c·step`:
 /// constant offsets from one pointer, and one sequential stream. `convert(src, dst)` fills the
-/// `step` elements of `dst` (zeroed) from the ≤ `step` of `src`. Group `g`'s panel starts at
-/// `g · group · kp`.
+/// `step` elements of `dst` from the ≤ `step` of `src`; when `src` is short, `dst` comes zeroed and
+/// only its first `src.len()` need be written (the buffer is reused, so nothing else is zero). Group
+/// `g`'s panel starts at `g · group · kp`.
 ///
 /// The panels are 64-byte aligned (with 64-byte steps, every vector load then stays within one
 /// cache line): a load split over two lines costs twice, and with 8 x rows per tile that alone made
 /// the kernel load-bound, depending on where `malloc` happened to put the buffer.
-pub(crate) fn pack_panels<T: Copy + Default>(
+pub(crate) fn pack_panels<T: PanelElem>(
     x: &[f32],
     m: usize,
     k: usize,
@@ -142,7 +180,11 @@ pub(crate) fn pack_panels<T: Copy + Default>(
     let kp = k.div_ceil(step) * step;
     let len = m * kp;
     let slack = 64 / std::mem::size_of::<T>().max(1);
-    let mut buf = vec![T::default(); len + slack];
+    // The thread's spare buffer when there is one: every element of the panels is written below.
+    let mut buf = T::spare().try_with(|s| s.take()).unwrap_or_default();
+    if buf.len() < len + slack {
+        buf.resize(len + slack, T::default());
+    }
     let off = buf.as_ptr().align_offset(64).min(slack);
     let out = &mut buf[off..off + len];
     for g0 in (0..m).step_by(group) {
@@ -152,7 +194,11 @@ pub(crate) fn pack_panels<T: Copy + Default>(
             let row = &x[(g0 + c) * k..(g0 + c + 1) * k];
             for (s, src) in row.chunks(step).enumerate() {
                 let at = (s * c_n + c) * step;
-                convert(src, &mut panel[at..at + step]);
+                let dst = &mut panel[at..at + step];
+                if src.len() < step {
+                    dst.fill(T::default());
+                }
+                convert(src, dst);
             }
         }
     }
@@ -407,7 +453,31 @@ pub(crate) fn store_tile<const C: usize>(res: &[[f32; 4]; C], out: &mut [&mut [f
 
 #[cfg(test)]
 mod tests {
-    use super::Shares;
+    use super::{pack_panels, Shares};
+
+    #[test]
+    fn reused_panel_buffers_are_padded_with_zeros() {
+        // A panel buffer goes back to its thread and is reused: what a wider x left in it must not
+        // show in a narrower x's padding (NaN there would poison the zero weights it meets).
+        let copy = |src: &[f32], dst: &mut [f32]| dst[..src.len()].copy_from_slice(src);
+        drop(pack_panels(&[f32::NAN; 3 * 32], 3, 32, 8, 2, copy));
+        let x: Vec<f32> = (0..3 * 13).map(|i| i as f32).collect();
+        let p = pack_panels(&x, 3, 13, 8, 2, copy);
+        assert_eq!(p.kp, 16);
+        // Group 0 (rows 0, 1) then group 1 (row 2); each step holds 8 elements of each row in turn.
+        let mut want = Vec::new();
+        for (g0, c_n) in [(0, 2), (2, 1)] {
+            for s in 0..2 {
+                for c in 0..c_n {
+                    want.extend((0..8).map(|e| if s * 8 + e < 13 { x[(g0 + c) * 13 + s * 8 + e] } else { 0.0 }));
+                }
+            }
+        }
+        assert_eq!(
+            p.data().iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
 
     #[test]
     fn prefetch_shares_cover_the_range_once_in_whole_lines() {
