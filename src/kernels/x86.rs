@@ -1,5 +1,5 @@
 //! Plumbing shared by the x86 SIMD matmuls: the tile driver, the software prefetcher, and the
-//! one-row short path's rules (`short_rows`, `check_gather`).
+//! one-row short path's rules (`short_rows`, `check_gather`, `split_gather`).
 
 use super::tiling::{for_row_ranges, Tile};
 use super::{DType, MatRef, Split};
@@ -42,8 +42,8 @@ pub(super) fn check_gather(x: &[f32], w: &MatRef, ids: &[u32], out: &[f32]) {
 /// (`for_row_ranges`): `dot(ids, out)` for each run. An E2B-sized drafter's centroid head reads 4,096
 /// scattered rows (2 MB) per sequence and draft step; on Zen 3, two threads cut a four-sequence E2B
 /// draft step by 15-35 %. Under `SPLIT_MIN_BYTES` (the shipped drafter's 512 rows, 384 KB) `Split::Auto`
-/// stays on the calling thread: there the split cost more than it saved. Each row is one `dot_rows`
-/// result either way, so the bits are the same.
+/// stays on the calling thread: split, it was no faster there. Each row is one `dot_rows` result
+/// either way, so the bits are the same.
 pub(super) fn split_gather(
     w: &MatRef,
     ids: &[u32],
