@@ -5,7 +5,7 @@
 //! first; f32 tails use `vmaskmovps` (masked-off lanes never fault).
 
 use super::tiling::{for_row_chunks, pack_panels, Panels, Plan, Tile, L1_BUDGET};
-use super::x86::{check_gather, drive, prefetch_rows_ahead, short_rows, split_gather, Prefetch};
+use super::x86::{drive, gather, prefetch_rows_ahead, short_rows, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -308,14 +308,7 @@ unsafe fn dot_group<const R: usize>(x: *const f32, k: usize, rows: [*const u8; R
 /// (`split_gather`). Every row gets the bits `matmul` gives it (see `dot_rows`).
 pub fn gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32], split: Split) {
     assert!(supported(), "AVX2 kernels on a CPU without AVX2/FMA/F16C");
-    check_gather(x, &w, ids, out);
-    let xp = pack_row(x, w.cols);
-    let (xs, k, data) = (xp.data(), w.cols, w.data);
-    split_gather(&w, ids, out, split, |ids, out| {
-        let base = data.as_ptr();
-        // SAFETY: as above; `xs` holds x rounded up to whole steps and every id is a row of `w`.
-        unsafe { dot_rows(xs.as_ptr(), k, ids.len(), |i| base.add(ids[i] as usize * k * 2), out) }
-    });
+    gather!(pack_row, dot_rows, x, w, ids, out, split);
 }
 
 /// One activation row as `dot_rows` reads it (a one-row `pack_bf16_eo` panel). The caller has checked

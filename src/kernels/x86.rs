@@ -59,6 +59,24 @@ pub(super) fn split_gather(
     for_row_ranges(ids.len(), row_bytes, w.cols, 1, out, split, |r, outs| dot(&ids[r], &mut *outs[0]));
 }
 
+/// The body of a kernel's `gather` (the caller has checked the CPU's features): check the shapes,
+/// pack x as `$pack_row` does for `$dot_rows`, and run `$dot_rows` over runs of ids (`split_gather`).
+macro_rules! gather {
+    ($pack_row:ident, $dot_rows:ident, $x:expr, $w:expr, $ids:expr, $out:expr, $split:expr) => {{
+        let (x, w, ids, out): (&[f32], MatRef, &[u32], &mut [f32]) = ($x, $w, $ids, $out);
+        $crate::kernels::x86::check_gather(x, &w, ids, out);
+        let xp = $pack_row(x, w.cols);
+        let (xs, k, data) = (xp.data(), w.cols, w.data);
+        $crate::kernels::x86::split_gather(&w, ids, out, $split, |ids, out| {
+            let base = data.as_ptr();
+            // SAFETY: the CPU has the kernel's features (checked by the caller); `xs` holds x rounded
+            // up to whole steps, and every id is a row of `w` (checked above).
+            unsafe { $dot_rows(xs.as_ptr(), k, ids.len(), |i| base.add(ids[i] as usize * k * 2), out) }
+        });
+    }};
+}
+pub(super) use gather;
+
 /// Issues a tile call's share of the next tile's prefetch (a `Pf`), `per` cache lines per
 /// kernel step.
 pub(super) struct Prefetch {
