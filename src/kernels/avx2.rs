@@ -4,7 +4,7 @@
 //! masked 16-bit loads, so a K tail shorter than a vector is copied into a zeroed stack buffer
 //! first; f32 tails use `vmaskmovps` (masked-off lanes never fault).
 
-use super::tiling::{for_row_chunks, pack_panels, Panels, Plan, Tile, L1_BUDGET};
+use super::tiling::{for_row_chunks, pack_panels, Panels, Plan, Tile, L1_BUDGET, L1_BYTES};
 use super::x86::{drive, gather, prefetch_rows_ahead, short_rows, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
@@ -26,11 +26,21 @@ pub fn supported() -> bool {
 /// m = 5 / 6 / 8 at 1.60 / 1.65 / 1.99x the time of m = 1, against 2.36 / 2.35 / 3.01x with `(1, m)`.
 /// For m = 3, 4 the same holds once the x panel outgrows L1 (the down projection's K = 6144: groups of
 /// 2 against 4 weight rows took m = 3 / 4 from 1.37 / 1.87x to 1.14 / 1.28x).
+///
+/// m = 5 (one sequence verifying four drafts) is one `(2, 5)` group over all of K while its x panel
+/// fits L1 (K up to 1,632: panels of f32): ten accumulators, the most AVX2's registers hold next to
+/// two weight rows and one x step. `matmul_bench --hot --threads 1`, m = 5 against m = 1 on Zen 3:
+/// 2.31-2.41x at [1536, 384] and 2.68-2.78x at [384, 1536], against 3.67-3.76x in groups of 3 and 2;
+/// with two threads from memory at [6144, 1536], 1.19-1.32x against 1.41-1.50x. Chunking K for it
+/// (k-outer order) took that to 1.9-2.1x, and at K = 6144 no `(2, 5)` order beat the groups.
 fn plan(m: usize, k: usize, step: usize, x_bytes: usize, w_bytes: usize) -> Plan {
     let (rows, group) = match m {
         0..=2 => (4, m.max(1)),
         3..=4 if m * k * x_bytes <= L1_BUDGET => (2, m),
         3..=4 => (4, 2),
+        5 if m * k.div_ceil(step) * step * x_bytes <= L1_BYTES => {
+            return Plan::new(m, k, 2, 5, step, x_bytes, w_bytes).whole_k(k)
+        }
         _ => (2, m.div_ceil(m.div_ceil(4))),
     };
     Plan::new(m, k, rows, group, step, x_bytes, w_bytes)
@@ -41,8 +51,8 @@ macro_rules! shapes {
     ($mac:ident!($($args:tt)*)) => {
         $mac!($($args)* [
             (4, 1), (4, 2),
-            (2, 1), (2, 2), (2, 3), (2, 4),
-            (1, 1), (1, 2), (1, 3), (1, 4),
+            (2, 1), (2, 2), (2, 3), (2, 4), (2, 5),
+            (1, 1), (1, 2), (1, 3), (1, 4), (1, 5),
         ])
     };
 }
@@ -212,14 +222,37 @@ unsafe fn tile_bf16<const R: usize, const C: usize>(
     macro_rules! step {
         ($p:ident => $load:expr) => {{
             let xs = x.add(kk * C);
-            for r in 0..R {
-                let $p = w.add(r * ws + kk * 2);
-                let v: __m256i = $load;
-                let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
-                let wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+            // Up to 8 accumulators, a weight row at a time against every x row. The `(2, 5)` tile
+            // widens both weight rows first and then takes one x step at a time: in the other order
+            // the compiler keeps all ten x vectors live and spills accumulators to the stack. Each
+            // accumulator gets the same two FMAs in the same order either way.
+            if C < 5 {
+                for r in 0..R {
+                    let $p = w.add(r * ws + kk * 2);
+                    let v: __m256i = $load;
+                    let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+                    let wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+                    for c in 0..C {
+                        a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(c * 16)), we, a[r][c]);
+                        a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(c * 16 + 8)), wo, a[r][c]);
+                    }
+                }
+            } else {
+                let mut we = [_mm256_setzero_ps(); R];
+                let mut wo = [_mm256_setzero_ps(); R];
+                for r in 0..R {
+                    let $p = w.add(r * ws + kk * 2);
+                    let v: __m256i = $load;
+                    we[r] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+                    wo[r] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+                }
                 for c in 0..C {
-                    a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(c * 16)), we, a[r][c]);
-                    a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(c * 16 + 8)), wo, a[r][c]);
+                    let xe = _mm256_loadu_ps(xs.add(c * 16));
+                    let xo = _mm256_loadu_ps(xs.add(c * 16 + 8));
+                    for r in 0..R {
+                        a[r][c] = _mm256_fmadd_ps(xe, we[r], a[r][c]);
+                        a[r][c] = _mm256_fmadd_ps(xo, wo[r], a[r][c]);
+                    }
                 }
             }
         }};
@@ -331,9 +364,19 @@ macro_rules! tile_wide {
             macro_rules! step {
                 ($wv:ident) => {{
                     let xs = x.add(kk * C);
-                    for r in 0..R {
+                    // One x vector at a time for the widest tiles, as in `tile_bf16`.
+                    if C < 5 {
+                        for r in 0..R {
+                            for c in 0..C {
+                                a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(c * 8)), $wv[r], a[r][c]);
+                            }
+                        }
+                    } else {
                         for c in 0..C {
-                            a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(c * 8)), $wv[r], a[r][c]);
+                            let xv = _mm256_loadu_ps(xs.add(c * 8));
+                            for r in 0..R {
+                                a[r][c] = _mm256_fmadd_ps(xv, $wv[r], a[r][c]);
+                            }
                         }
                     }
                 }};

@@ -185,6 +185,9 @@ fn matmul_is_bit_exact_across_threads_and_batch() {
             (DType::BF16, 97, 128),
             (DType::F16, 203, 77),
             (DType::F32, 203, 77),
+            // m = 5 over all of K in one AVX2 tile (the x panel just fits L1), with a K tail.
+            (DType::BF16, 101, 1530),
+            (DType::F16, 101, 1530),
             (DType::BF16, 31, 3001),
             (DType::F32, 31, 3001),
             (DType::BF16, 800, 2600),

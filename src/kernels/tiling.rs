@@ -205,6 +205,8 @@ pub(crate) fn pack_panels<T: PanelElem>(
     Panels { buf, off, len, kp }
 }
 
+/// L1 data cache per core on the x86 cores targeted before Zen 5 (48 KiB there).
+pub(super) const L1_BYTES: usize = 32 << 10;
 /// Half of L1 (48 KiB on Zen 5): what the blocking below lets the reused operands occupy.
 pub(super) const L1_BUDGET: usize = 24 << 10;
 /// Packed x bytes per cache block: a block's panels stay in L2 (1 MiB per core on Zen 5) next to
@@ -264,6 +266,12 @@ impl Plan {
             };
         let kc = (kc / step).max(1) * step;
         Plan { rows, group, block: block.max(group), kc, step, k_outer }
+    }
+
+    /// The same tiles over all of K in one pass per tile (no K chunks, no k-outer order): for a
+    /// single group whose x panel fits L1 itself, though not within [`L1_BUDGET`].
+    pub fn whole_k(self, k: usize) -> Plan {
+        Plan { kc: k.div_ceil(self.step) * self.step, k_outer: false, ..self }
     }
 
     /// Accumulator sets a thread needs for `n` weight rows.
