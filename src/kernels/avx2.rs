@@ -270,7 +270,7 @@ unsafe fn tile_bf16<const R: usize, const C: usize>(
 }
 
 /// `out[i] = x · row(i)` for one activation row (a one-row `pack_bf16_eo` panel) and `n` bf16 weight
-/// rows of `k`, four rows at a time, without the tile driver (`short_rows`; the drafter's matrices and
+/// rows of `k`, eight rows at a time (the last few four at a time), without the tile driver (`short_rows`; the drafter's matrices and
 /// its centroid head's candidates). A row gets the bits `tile_bf16` gives it in any tile: its
 /// accumulator takes the same even and odd products of the same 16-element steps from zero, the tail
 /// through the same zeroed copy, and `hsum4` sums each vector by the same tree.
@@ -281,8 +281,20 @@ unsafe fn tile_bf16<const R: usize, const C: usize>(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_rows(x: *const f32, k: usize, n: usize, row: impl Fn(usize) -> *const u8, out: &mut [f32]) {
     debug_assert_eq!(out.len(), n);
+    // Eight rows at a time while there are eight: eight independent accumulators keep both FMA
+    // pipes busy, where four wait on the latency of their two-FMA steps.
+    let whole = n / 8 * 8;
+    let (head, out) = out.split_at_mut(whole);
+    for (g, res) in head.chunks_exact_mut(8).enumerate() {
+        let i0 = 8 * g;
+        prefetch_rows_ahead(i0, n, 2 * k, &row);
+        prefetch_rows_ahead(i0 + 4, n, 2 * k, &row);
+        let a = dot_group::<8>(x, k, std::array::from_fn(|r| row(i0 + r)));
+        _mm_storeu_ps(res.as_mut_ptr(), hsum4(a[0], a[1], a[2], a[3]));
+        _mm_storeu_ps(res.as_mut_ptr().add(4), hsum4(a[4], a[5], a[6], a[7]));
+    }
     for (g, res) in out.chunks_mut(4).enumerate() {
-        let i0 = 4 * g;
+        let i0 = whole + 4 * g;
         prefetch_rows_ahead(i0, n, 2 * k, &row);
         let rows = |r: usize| if r < res.len() { row(i0 + r) } else { std::ptr::null() };
         let a = match res.len() {
