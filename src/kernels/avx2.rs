@@ -15,9 +15,9 @@ pub fn supported() -> bool {
 }
 
 /// Tile shape for `m` activation rows, ≤ 12 accumulators (16 ymm registers in all): a single
-/// group, i.e. one pass over the weights, up to m = 4; larger m in groups of at most 4 (as equal as
-/// they come) with K chunks, each chunk of a weight tile read from memory once and from L1 by the
-/// other groups.
+/// group, i.e. one pass over the weights, up to m = 4 (m = 5 while its x panel fits L1); larger m in
+/// groups of at most 5 (as equal as they come; m = 5 with a long K in 3 + 2) with K chunks, each
+/// chunk of a weight tile read from memory once and from L1 by the other groups.
 ///
 /// With 8 lanes, 5 or more x rows of work per weight are compute-bound on the AVX2 machines measured
 /// (Zen 3): a single group of m = 5..12 against one weight row (`(1, m)`) loads 2m x vectors per
@@ -33,6 +33,12 @@ pub fn supported() -> bool {
 /// 2.31-2.41x at [1536, 384] and 2.68-2.78x at [384, 1536], against 3.67-3.76x in groups of 3 and 2;
 /// with two threads from memory at [6144, 1536], 1.19-1.32x against 1.41-1.50x. Chunking K for it
 /// (k-outer order) took that to 1.9-2.1x, and at K = 6144 no `(2, 5)` order beat the groups.
+///
+/// Larger m goes in groups of at most 5 for the same reason: at [1536, 384] (hot, one thread) m = 9 /
+/// 10 / 15 / 20 took 155 / 163 / 247 / 339 µs against 215 / 212 / 288 / 367 µs in groups of at most
+/// 4, and at [6144, 1536] (two threads, from memory) 1.46 / 1.55 / 2.16 / 2.86 ms against 1.69 /
+/// 1.75 / 2.36 / 3.00 ms. Row counts that split into groups of 4 or fewer anyway (6-8, 12, 16) are
+/// unchanged.
 fn plan(m: usize, k: usize, step: usize, x_bytes: usize, w_bytes: usize) -> Plan {
     let (rows, group) = match m {
         0..=2 => (4, m.max(1)),
@@ -41,7 +47,8 @@ fn plan(m: usize, k: usize, step: usize, x_bytes: usize, w_bytes: usize) -> Plan
         5 if m * k.div_ceil(step) * step * x_bytes <= L1_BYTES => {
             return Plan::new(m, k, 2, 5, step, x_bytes, w_bytes).whole_k(k)
         }
-        _ => (2, m.div_ceil(m.div_ceil(4))),
+        5 => (2, 3),
+        _ => (2, m.div_ceil(m.div_ceil(5))),
     };
     Plan::new(m, k, rows, group, step, x_bytes, w_bytes)
 }
