@@ -30,7 +30,7 @@ pub fn supported() -> bool {
 /// m = 5 (one sequence verifying four drafts) is one `(2, 5)` group over all of K while its x panel
 /// fits L1 (K up to 1,632: panels of f32): ten accumulators, the most AVX2's registers hold next to
 /// two weight rows and one x step. `matmul_bench --hot --threads 1`, m = 5 against m = 1 on Zen 3:
-/// 2.31-2.41x at [1536, 384] and 2.68-2.78x at [384, 1536], against 3.67-3.76x in groups of 3 and 2;
+/// 2.31-2.41x at [1536, 384] and 2.68-2.99x at [384, 1536], against 3.67-3.76x in groups of 3 and 2;
 /// with two threads from memory at [6144, 1536], 1.19-1.32x against 1.41-1.50x. Chunking K for it
 /// (k-outer order) took that to 1.9-2.1x, and at K = 6144 no `(2, 5)` order beat the groups.
 ///
@@ -277,8 +277,8 @@ unsafe fn tile_bf16<const R: usize, const C: usize>(
 }
 
 /// `out[i] = x · row(i)` for one activation row (a one-row `pack_bf16_eo` panel) and `n` bf16 weight
-/// rows of `k`, eight rows at a time (the last few four at a time), without the tile driver (`short_rows`; the drafter's matrices and
-/// its centroid head's candidates). A row gets the bits `tile_bf16` gives it in any tile: its
+/// rows of `k`, eight rows at a time (the last few four at a time), without the tile driver
+/// (`short_rows`; the drafter's matrices and its centroid head's candidates). A row gets the bits `tile_bf16` gives it in any tile: its
 /// accumulator takes the same even and odd products of the same 16-element steps from zero, the tail
 /// through the same zeroed copy, and `hsum4` sums each vector by the same tree.
 ///
