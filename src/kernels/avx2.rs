@@ -4,7 +4,7 @@
 //! masked 16-bit loads, so a K tail shorter than a vector is copied into a zeroed stack buffer
 //! first; f32 tails use `vmaskmovps` (masked-off lanes never fault).
 
-use super::tiling::{for_row_chunks, pack_panels, Panels, Plan, Tile, L1_BUDGET, L1_BYTES};
+use super::tiling::{for_row_chunks, pack_panels, store_tile, Panels, Plan, Tile, L1_BUDGET, L1_BYTES};
 use super::x86::{drive, gather, prefetch_rows_ahead, short_rows, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
@@ -86,6 +86,40 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
                 unsafe { dot_rows(xs.as_ptr(), wc.cols, wc.rows, |i| base.add(i * rb), &mut *outs[0]) }
             });
         }
+        DType::BF16 if short_tiles(m, &w) => {
+            // SAFETY: the CPU has the features, asserted above.
+            let xp = pack_panels(x, m, k, 16, m, |src, dst| unsafe { pack_bf16_eo(src, dst) });
+            let (xd, ws) = (xp.data(), k * 2);
+            for_row_chunks(w, m, out, split, |wc, outs| {
+                let (xs, mut acc) = (xd.as_ptr(), acc_storage(1));
+                let mut j = 0;
+                while j < wc.rows {
+                    let r = if wc.rows - j >= 2 { 2 } else { 1 };
+                    let t = Tile::whole(m, j, r, k);
+                    let wp = wc.data[j * ws..].as_ptr();
+                    macro_rules! call {
+                        ($r:literal, $c:literal) => {{
+                            // SAFETY: as for `drive!`: the panel holds `m` rows of K rounded up to 16,
+                            // and weight rows j..j+r of the chunk start at `wp`.
+                            let res = unsafe { tile_bf16::<$r, $c>(xs, wp, ws, &t, &mut acc[0]) };
+                            store_tile(&res, outs, 0, j, $r);
+                        }};
+                    }
+                    match (r, m) {
+                        (2, 2) => call!(2, 2),
+                        (2, 3) => call!(2, 3),
+                        (2, 4) => call!(2, 4),
+                        (2, 5) => call!(2, 5),
+                        (1, 2) => call!(1, 2),
+                        (1, 3) => call!(1, 3),
+                        (1, 4) => call!(1, 4),
+                        (1, 5) => call!(1, 5),
+                        _ => unreachable!("short_tiles takes 2 to 5 rows"),
+                    }
+                    j += r;
+                }
+            });
+        }
         DType::BF16 => {
             let plan = plan(m, k, 16, 4, 2);
             // SAFETY: the CPU has the features, asserted above.
@@ -103,6 +137,14 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
             shapes!(drive!(tile_f32, acc_storage, xp, m, w, out, split, plan,));
         }
     }
+}
+
+/// 2 to 5 x rows against a small matrix with short rows (as `short_rows`: a drafter's matrices, or
+/// attention's scores over a few hundred keys): the tiles, two weight rows by all the x rows over all of
+/// K, are walked here without the tile driver, whose set-up, prefetch plan and dispatch per call cost
+/// as much as the 4-8 kernel steps of such a tile. Same tiles, same bits.
+fn short_tiles(m: usize, w: &MatRef) -> bool {
+    (2..=5).contains(&m) && short_rows(1, w)
 }
 
 /// `vmaskmovps` mask selecting the first `min(n, 8)` lanes.

@@ -324,6 +324,14 @@ impl Pf<'_> {
     const NONE: Pf<'static> = Pf { span: &[], piece: 0, stride: 0, rows: 0, per: 0 };
 }
 
+impl Tile<'static> {
+    /// A call over all of K for `c` x rows from row 0 and `r` weight rows from `j`, without prefetch:
+    /// for kernels that walk a small matrix's tiles themselves (the AVX2 `dot_tiles`).
+    pub fn whole(c: usize, j: usize, r: usize, k: usize) -> Tile<'static> {
+        Tile { i: 0, c, j, r, slot: 0, k0: 0, k1: k, first: true, last: true, pf: Pf::NONE }
+    }
+}
+
 /// Walk the tiles of an `[m, k] · [n, k]ᵀ` product in cache-friendly order. By default:
 ///
 /// - x rows in blocks of `plan.block` rows (sized for L2) — one block when m ≤ 16;
