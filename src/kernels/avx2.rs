@@ -4,7 +4,9 @@
 //! masked 16-bit loads, so a K tail shorter than a vector is copied into a zeroed stack buffer
 //! first; f32 tails use `vmaskmovps` (masked-off lanes never fault).
 
-use super::tiling::{for_row_chunks, pack_panels, store_tile, Panels, Plan, Tile, L1_BUDGET, L1_BYTES};
+use super::tiling::{
+    for_row_chunks, pack_panels, pack_panels_by_row, store_tile, Panels, Plan, Tile, L1_BUDGET, L1_BYTES,
+};
 use super::x86::{drive, gather, prefetch_rows_ahead, short_rows, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
@@ -87,8 +89,7 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
             });
         }
         DType::BF16 if short_tiles(m, &w) => {
-            // SAFETY: the CPU has the features, asserted above.
-            let xp = pack_panels(x, m, k, 16, m, |src, dst| unsafe { pack_bf16_eo(src, dst) });
+            let xp = pack_eo(x, m, k, m);
             let (xd, ws) = (xp.data(), k * 2);
             for_row_chunks(w, m, out, split, |wc, outs| {
                 let (xs, mut acc) = (xd.as_ptr(), acc_storage(1));
@@ -122,8 +123,7 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
         }
         DType::BF16 => {
             let plan = plan(m, k, 16, 4, 2);
-            // SAFETY: the CPU has the features, asserted above.
-            let xp = pack_panels(x, m, k, 16, plan.group, |src, dst| unsafe { pack_bf16_eo(src, dst) });
+            let xp = pack_eo(x, m, k, plan.group);
             shapes!(drive!(tile_bf16, acc_storage, xp, m, w, out, split, plan,));
         }
         DType::F16 => {
@@ -172,23 +172,59 @@ fn round_bf16(x: __m256) -> __m256 {
 ///
 /// # Safety
 /// Needs AVX2; `src.len() <= 16`, `dst.len() == 16`.
+#[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn pack_bf16_eo(src: &[f32], dst: &mut [f32]) {
     assert!(src.len() <= 16 && dst.len() == 16);
     let (n, p) = (src.len(), src.as_ptr());
     let a = round_bf16(_mm256_maskload_ps(p, tail_mask(n)));
     let b = if n > 8 { round_bf16(_mm256_maskload_ps(p.add(8), tail_mask(n - 8))) } else { _mm256_setzero_ps() };
+    store_eo(a, b, dst.as_mut_ptr());
+}
+
+/// Store 16 values given as `a` (0-7) and `b` (8-15) at `dst`, the even-indexed ones first.
+///
+/// # Safety
+/// Needs AVX2; `dst` writable for 16 f32.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn store_eo(a: __m256, b: __m256, dst: *mut f32) {
     // shuffle gives [a0 a2 b0 b2 | a4 a6 b4 b6]; the 64-bit permute puts the a's first.
     let even = _mm256_shuffle_ps::<0b10_00_10_00>(a, b);
     let odd = _mm256_shuffle_ps::<0b11_01_11_01>(a, b);
-    _mm256_storeu_ps(
-        dst.as_mut_ptr(),
-        _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(even))),
-    );
-    _mm256_storeu_ps(
-        dst.as_mut_ptr().add(8),
-        _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(odd))),
-    );
+    _mm256_storeu_ps(dst, _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(even))));
+    _mm256_storeu_ps(dst.add(8), _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(odd))));
+}
+
+/// `pack_bf16_eo` over a whole x row, step `s` to `dst[s · stride..]` (`pack_panels_by_row`): one
+/// call per row instead of one per 16 values, and plain loads for the whole steps. Same values.
+///
+/// # Safety
+/// Needs AVX2; `dst` covers `stride · (steps - 1) + 16` values for the row's `row.len().div_ceil(16)` steps.
+#[target_feature(enable = "avx2")]
+unsafe fn pack_row_bf16_eo(row: &[f32], dst: &mut [f32], stride: usize) {
+    let whole = row.len() / 16;
+    let steps = row.len().div_ceil(16);
+    assert!(steps == 0 || dst.len() >= (steps - 1) * stride + 16);
+    for s in 0..whole {
+        let p = row.as_ptr().add(16 * s);
+        store_eo(
+            round_bf16(_mm256_loadu_ps(p)),
+            round_bf16(_mm256_loadu_ps(p.add(8))),
+            dst.as_mut_ptr().add(s * stride),
+        );
+    }
+    if whole * 16 < row.len() {
+        pack_bf16_eo(&row[whole * 16..], &mut dst[whole * stride..whole * stride + 16]);
+    }
+}
+
+/// x packed for `tile_bf16` / `dot_rows` in groups of `group` rows. The caller has checked that the
+/// CPU has AVX2.
+fn pack_eo(x: &[f32], m: usize, k: usize, group: usize) -> Panels<f32> {
+    // SAFETY: the CPU has the features (checked by the caller); `pack_panels_by_row` hands each row
+    // the steps of its panel.
+    pack_panels_by_row(x, m, k, 16, group, |row, dst, stride| unsafe { pack_row_bf16_eo(row, dst, stride) })
 }
 
 /// Sums of `a, b, c, d` in the four lanes; each vector goes through the same fixed tree.
@@ -409,7 +445,7 @@ pub fn gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32], split: Split) 
 /// that the CPU has AVX2.
 fn pack_row(x: &[f32], k: usize) -> Panels<f32> {
     // SAFETY: the CPU has the features (checked by the caller, `matmul` or `gather`).
-    pack_panels(x, 1, k, 16, 1, |src, dst| unsafe { pack_bf16_eo(src, dst) })
+    pack_eo(x, 1, k, 1)
 }
 
 /// Tile kernel for weights widened to f32 by `$full` (8 at `$p`) / `$tail` (the last `$n` < 8 at

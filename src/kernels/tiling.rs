@@ -176,6 +176,30 @@ pub(crate) fn pack_panels<T: PanelElem>(
     group: usize,
     mut convert: impl FnMut(&[f32], &mut [T]),
 ) -> Panels<T> {
+    let step = step.max(1);
+    pack_panels_by_row(x, m, k, step, group, |row, panel, stride| {
+        for (s, src) in row.chunks(step).enumerate() {
+            let dst = &mut panel[s * stride..s * stride + step];
+            if src.len() < step {
+                dst.fill(T::default());
+            }
+            convert(src, dst);
+        }
+    })
+}
+
+/// [`pack_panels`] with one `convert_row(row, dst, stride)` call per x row: `dst` starts at the
+/// row's first step, and step `s` goes to `dst[s · stride..][..step]`; every element of those steps
+/// must be written, zeros past the row's end. A kernel whose per-step conversion cannot be inlined
+/// into generic code (a `target_feature` function) packs a whole row per call this way.
+pub(crate) fn pack_panels_by_row<T: PanelElem>(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    step: usize,
+    group: usize,
+    mut convert_row: impl FnMut(&[f32], &mut [T], usize),
+) -> Panels<T> {
     let (step, group) = (step.max(1), group.max(1));
     let kp = k.div_ceil(step) * step;
     let len = m * kp;
@@ -187,19 +211,12 @@ pub(crate) fn pack_panels<T: PanelElem>(
     }
     let off = buf.as_ptr().align_offset(64).min(slack);
     let out = &mut buf[off..off + len];
-    for g0 in (0..m).step_by(group) {
+    // With K = 0 there are no steps to convert.
+    for g0 in (0..m).step_by(group).filter(|_| kp > 0) {
         let c_n = group.min(m - g0);
         let panel = &mut out[g0 * kp..(g0 + c_n) * kp];
         for c in 0..c_n {
-            let row = &x[(g0 + c) * k..(g0 + c + 1) * k];
-            for (s, src) in row.chunks(step).enumerate() {
-                let at = (s * c_n + c) * step;
-                let dst = &mut panel[at..at + step];
-                if src.len() < step {
-                    dst.fill(T::default());
-                }
-                convert(src, dst);
-            }
+            convert_row(&x[(g0 + c) * k..(g0 + c + 1) * k], &mut panel[c * step..], c_n * step);
         }
     }
     Panels { buf, off, len, kp }
