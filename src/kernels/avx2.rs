@@ -444,7 +444,6 @@ pub fn gather(x: &[f32], w: MatRef, ids: &[u32], out: &mut [f32], split: Split) 
 /// One activation row as `dot_rows` reads it (a one-row `pack_bf16_eo` panel). The caller has checked
 /// that the CPU has AVX2.
 fn pack_row(x: &[f32], k: usize) -> Panels<f32> {
-    // SAFETY: the CPU has the features (checked by the caller, `matmul` or `gather`).
     pack_eo(x, 1, k, 1)
 }
 
