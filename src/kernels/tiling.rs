@@ -343,7 +343,7 @@ impl Pf<'_> {
 
 impl Tile<'static> {
     /// A call over all of K for `c` x rows from row 0 and `r` weight rows from `j`, without prefetch:
-    /// for kernels that walk a small matrix's tiles themselves (the AVX2 `dot_tiles`).
+    /// for kernels that walk a small matrix's tiles themselves (the AVX2 `short_tiles` path).
     pub fn whole(c: usize, j: usize, r: usize, k: usize) -> Tile<'static> {
         Tile { i: 0, c, j, r, slot: 0, k0: 0, k1: k, first: true, last: true, pf: Pf::NONE }
     }
