@@ -29,9 +29,16 @@ fn scratch(name: &str) -> PathBuf {
     dir.join(name)
 }
 
+/// Writes `e` to `path` through a fresh temporary name and a rename, as `tandem quantize` does. Tests run in
+/// parallel and several of them write the same fixture's file: truncating it in place would pull the pages
+/// from under another test's live memory map (SIGBUS); a rename leaves that map on the old file.
 fn write_file(path: &Path, e: &export::Export) {
-    let f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp{n}"));
+    let f = std::io::BufWriter::new(std::fs::File::create(&tmp).unwrap());
     write::write(f, &e.meta, &e.out_tensors().unwrap()).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
 }
 
 /// `fixture` written as a GGUF target, quantized with `recipe` first when given.
