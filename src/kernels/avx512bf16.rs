@@ -30,10 +30,76 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
         });
         return;
     }
+    if m == 1 && streams_rows() {
+        return stream_rows(x, w, out, split);
+    }
     let plan = plan(m, w.cols, false, 32, 2, 2);
     // SAFETY: the CPU has the features, asserted above.
     let xp = pack_panels(x, m, w.cols, 32, plan.group, |src, dst| unsafe { pack_bf16(src, dst) });
     shapes!(drive!(tile, acc_storage, xp, m, w, out, split, plan,));
+}
+
+/// Whether one activation row reads its weight rows one at a time (`stream_rows`) rather than
+/// through the tile driver. Yes on Zen 4 (AMD family 0x19 with AVX-512), where a core keeping one
+/// stream of weights in flight reads 15-30 % faster than one keeping four (the (4, 1) tile, or
+/// `dot_rows`), with or without software prefetch; on Zen 5 and on Sapphire Rapids the tile already
+/// reads at the measured bandwidth. See docs/numerics.md, "One-row bf16 products".
+fn streams_rows() -> bool {
+    static STREAMS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *STREAMS.get_or_init(|| {
+        let (vendor, sig) = (__cpuid(0), __cpuid(1).eax);
+        let amd = (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163);
+        // Family as cpuid reports it: the base field, plus the extended one when the base is 0xf.
+        let base = (sig >> 8) & 0xf;
+        let family = if base == 0xf { base + ((sig >> 20) & 0xff) } else { base };
+        amd && family == 0x19
+    })
+}
+
+/// `out = x · wᵀ` for one activation row, a weight row at a time over the pool's row chunks: one
+/// `vdpbf16ps` chain per row over K in 32-element steps, and no software prefetch (the hardware's
+/// suffices for one stream). A row gets the bits of the tile kernel: the same chain from zero, the
+/// same masked tail and the same `hsum4` tree. Called by `matmul` where `streams_rows` says so; the
+/// tests call it on every CPU with AVX512_BF16.
+pub(super) fn stream_rows(x: &[f32], w: MatRef, out: &mut [f32], split: Split) {
+    assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
+    assert!(w.dtype == DType::BF16 && x.len() == w.cols && out.len() == w.rows, "stream_rows shapes");
+    let xp = pack_row(x, w.cols);
+    let xs = xp.data();
+    super::tiling::for_row_chunks(w, 1, out, split, |wc, outs| {
+        // SAFETY: the CPU has the features, asserted above; the panel covers K, and rows
+        // 0..wc.rows of the chunk are in `wc.data`.
+        unsafe { dot_each(xs.as_ptr(), wc.cols, wc.data.as_ptr(), &mut *outs[0]) }
+    });
+}
+
+/// `out[i] = x · w[i]` for `out.len()` consecutive weight rows of `k` bf16 from `w`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL + BF16; `x` is a one-row `pack_bf16` panel covering `k`; `w` points at
+/// `out.len() * k` readable bf16.
+#[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
+unsafe fn dot_each(x: *const u16, k: usize, w: *const u8, out: &mut [f32]) {
+    let z = _mm512_setzero_ps();
+    let tail = k % 32;
+    let mask = (1u32 << tail) - 1;
+    for (i, o) in out.iter_mut().enumerate() {
+        let p = w.add(i * k * 2);
+        let mut a = z;
+        let mut kk = 0;
+        while kk + 32 <= k {
+            let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(kk) as *const _));
+            let wv = _mm512_loadu_si512(p.add(kk * 2) as *const _);
+            a = _mm512_dpbf16_ps(a, xv, std::mem::transmute::<__m512i, __m512bh>(wv));
+            kk += 32;
+        }
+        if tail != 0 {
+            let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(kk) as *const _));
+            let wv = _mm512_maskz_loadu_epi16(mask, p.add(kk * 2) as *const i16);
+            a = _mm512_dpbf16_ps(a, xv, std::mem::transmute::<__m512i, __m512bh>(wv));
+        }
+        *o = _mm_cvtss_f32(hsum4(a, z, z, z));
+    }
 }
 
 /// Round ≤ 32 activations to bf16 bits (zero-padded to 32).

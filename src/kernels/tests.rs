@@ -230,6 +230,37 @@ fn matmul_is_bit_exact_across_threads_and_batch() {
     }
 }
 
+/// The one-row kernel that reads a weight row at a time (what Zen 4 runs, see `streams_rows`) gives
+/// every row the bits the tile kernel gives it in a batch, on any split, on every CPU that can run it.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn streamed_rows_have_the_bits_of_the_tiles() {
+    if !avx512bf16::supported() {
+        return;
+    }
+    let mut rng = Rng(12);
+    let pool3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    for (rows, cols) in [(203, 77), (97, 128), (101, 1530), (31, 3001), (800, 2600), (64, 32), (5, 31)] {
+        let w = Weights::random(&mut rng, DType::BF16, rows, cols);
+        let m = 3;
+        let x = rng.vec(m * cols, 1.0);
+        let mut tiled = vec![0f32; m * rows];
+        avx512bf16::matmul(&x, m, w.mat(), &mut tiled, Split::Auto);
+        for i in 0..m {
+            let xi = &x[i * cols..(i + 1) * cols];
+            for (name, split) in [("inline", Split::Auto), ("chunks of 8", Split::Rows(8)), ("chunks of 60", Split::Rows(60))] {
+                let mut got = vec![f32::NAN; rows];
+                pool3.install(|| avx512bf16::stream_rows(xi, w.mat(), &mut got, split));
+                let want = &tiled[i * rows..(i + 1) * rows];
+                assert!(
+                    want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{rows}x{cols} row {i}, {name}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn gathered_rows_have_the_bits_of_the_matmul_over_them() {
     // The drafter's centroid head takes a few hundred scattered embedding rows; each must get what
