@@ -248,7 +248,9 @@ fn streamed_rows_have_the_bits_of_the_tiles() {
         avx512bf16::matmul(&x, m, w.mat(), &mut tiled, Split::Auto);
         for i in 0..m {
             let xi = &x[i * cols..(i + 1) * cols];
-            for (name, split) in [("inline", Split::Auto), ("chunks of 8", Split::Rows(8)), ("chunks of 60", Split::Rows(60))] {
+            for (name, split) in
+                [("inline", Split::Auto), ("chunks of 8", Split::Rows(8)), ("chunks of 60", Split::Rows(60))]
+            {
                 let mut got = vec![f32::NAN; rows];
                 pool3.install(|| avx512bf16::stream_rows(xi, w.mat(), &mut got, split));
                 let want = &tiled[i * rows..(i + 1) * rows];
