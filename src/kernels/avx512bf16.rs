@@ -42,7 +42,7 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
 /// Whether one activation row reads its weight rows one at a time (`stream_rows`) rather than
 /// through the tile driver. Yes on Zen 4 (AMD family 0x19 with AVX-512), where a core keeping one
 /// stream of weights in flight reads 15-30 % faster than one keeping four (the (4, 1) tile, or
-/// `dot_rows`), with or without software prefetch; on Zen 5 and on Sapphire Rapids the tile already
+/// `dot_rows`), with or without software prefetch; on Sapphire Rapids the tile already
 /// reads at the measured bandwidth. See docs/numerics.md, "One-row bf16 products".
 fn streams_rows() -> bool {
     static STREAMS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
