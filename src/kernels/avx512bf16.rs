@@ -33,6 +33,16 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
     if m == 1 && streams_rows() {
         return stream_rows(x, w, out, split);
     }
+    if streams_many(m, &w) {
+        return stream_many(x, m, w, out, split);
+    }
+    tiled(x, m, w, out, split)
+}
+
+/// The tile driver's `matmul`, whatever `streams_rows` says; the tests compare the streams with it.
+pub(super) fn tiled(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
+    assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
+    assert_eq!(w.dtype, DType::BF16);
     let plan = plan(m, w.cols, false, 32, 2, 2);
     // SAFETY: the CPU has the features, asserted above.
     let xp = pack_panels(x, m, w.cols, 32, plan.group, |src, dst| unsafe { pack_bf16(src, dst) });
@@ -69,36 +79,127 @@ pub(super) fn stream_rows(x: &[f32], w: MatRef, out: &mut [f32], split: Split) {
     super::tiling::for_row_chunks(w, 1, out, split, |wc, outs| {
         // SAFETY: the CPU has the features, asserted above; the panel covers K, and rows
         // 0..wc.rows of the chunk are in `wc.data`.
-        unsafe { dot_each(xs.as_ptr(), wc.cols, wc.data.as_ptr(), &mut *outs[0]) }
+        unsafe { dot_each::<1, 1>(xs.as_ptr(), wc.cols, wc.data.as_ptr(), 0..wc.rows, outs) }
     });
 }
 
-/// `out[i] = x · w[i]` for `out.len()` consecutive weight rows of `k` bf16 from `w`.
+/// Activation rows per weight-row stream in `stream_many` (four were slower in a model's forward,
+/// see docs/numerics.md).
+const STREAM_GROUP: usize = 3;
+/// Longest K `stream_many` takes: a group's panel is then at most 12 KiB and stays in L1 beside the
+/// stream. At K = 6144 (E2B's down projection) streaming is slower than the tiles.
+const STREAM_MAX_K: usize = 2048;
+/// Bytes of weight rows a chunk takes through every group before it moves on: the groups after the
+/// first read them from L2.
+const STREAM_BLOCK: usize = 512 << 10;
+/// Smallest matrix `stream_many` takes: smaller ones (the shipped pair's, at most 3 MiB) are read
+/// from cache, where the tiles' many chains are faster than a few.
+const STREAM_MIN_BYTES: usize = 4 << 20;
+
+/// Whether `m > 1` activation rows over the bf16 matrix `w` go through `stream_many`: on Zen 4
+/// (`streams_rows`) for 2 to 6 rows (two groups), K up to `STREAM_MAX_K` and matrices of at least
+/// `STREAM_MIN_BYTES`. See docs/numerics.md, "A few bf16 rows on Zen 4".
+fn streams_many(m: usize, w: &MatRef) -> bool {
+    (2..=2 * STREAM_GROUP).contains(&m) && w.cols <= STREAM_MAX_K && w.data.len() >= STREAM_MIN_BYTES && streams_rows()
+}
+
+/// `out = x · wᵀ` for a few activation rows, a weight row at a time like `stream_rows`: each row
+/// group of up to `STREAM_GROUP` keeps one `vdpbf16ps` chain per activation row against the one
+/// stream of weights, and a chunk's weight rows run through all groups a `STREAM_BLOCK` at a time.
+/// Every output gets the bits of the tile kernel. Called by `matmul` where `streams_many` says so;
+/// the tests call it on every CPU with AVX512_BF16.
+pub(super) fn stream_many(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
+    assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
+    assert!(w.dtype == DType::BF16 && x.len() == m * w.cols && out.len() == m * w.rows, "stream_many shapes");
+    // SAFETY: the CPU has the features, asserted above.
+    let xp = pack_panels(x, m, w.cols, 32, STREAM_GROUP, |src, dst| unsafe { pack_bf16(src, dst) });
+    let xs = xp.data();
+    let kp = w.cols.div_ceil(32) * 32;
+    let block = (STREAM_BLOCK / (w.cols * 2).max(1)).max(1);
+    super::tiling::for_row_chunks(w, m, out, split, |wc, outs| {
+        let (k, p) = (wc.cols, wc.data.as_ptr());
+        for i0 in (0..wc.rows).step_by(block) {
+            let rows = i0..wc.rows.min(i0 + block);
+            for g0 in (0..m).step_by(STREAM_GROUP) {
+                let g = STREAM_GROUP.min(m - g0);
+                let (x, o) = (xs[g0 * kp..].as_ptr(), &mut outs[g0..g0 + g]);
+                let r = rows.clone();
+                // SAFETY: as above; the group's panel of `g` rows covers K, and the chunk's rows
+                // are in `wc.data`.
+                unsafe {
+                    // The first group streams from memory, where one weight row at a time is
+                    // fastest; the second reads L2, where one or two chains would wait on
+                    // `vdpbf16ps`'s latency, so it takes several weight rows at once.
+                    match (g0 == 0, g) {
+                        (true, 1) => dot_each::<1, 1>(x, k, p, r, o),
+                        (true, 2) => dot_each::<1, 2>(x, k, p, r, o),
+                        (false, 1) => dot_each::<4, 1>(x, k, p, r, o),
+                        (false, 2) => dot_each::<2, 2>(x, k, p, r, o),
+                        (_, _) => dot_each::<1, 3>(x, k, p, r, o),
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// `outs[c][i] = x_c · w[i]` for the weight rows `i` in `rows` (of `k` bf16 each from `w`) and the
+/// `C` activation rows of the panel `x`, `R` weight rows at a time (more chains for weights in cache;
+/// the rows past a multiple of `R` go one at a time). Each output is one chain over K in 32-element
+/// steps from zero with the tile's masked tail, summed by `hsum4` (each vector on its own).
 ///
 /// # Safety
-/// AVX-512 F/BW/VL + BF16; `x` is a one-row `pack_bf16` panel covering `k`; `w` points at
-/// `out.len() * k` readable bf16.
+/// AVX-512 F/BW/VL + BF16; `x` is a `C`-row `pack_bf16` panel covering `k`; `w` points at
+/// `rows.end * k` readable bf16; `outs` has `C` slices of at least `rows.end` each.
 #[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
-unsafe fn dot_each(x: *const u16, k: usize, w: *const u8, out: &mut [f32]) {
+unsafe fn dot_each<const R: usize, const C: usize>(
+    x: *const u16,
+    k: usize,
+    w: *const u8,
+    rows: std::ops::Range<usize>,
+    outs: &mut [&mut [f32]],
+) {
+    debug_assert!(outs.len() == C && outs.iter().all(|o| o.len() >= rows.end));
     let z = _mm512_setzero_ps();
     let tail = k % 32;
     let mask = (1u32 << tail) - 1;
-    for (i, o) in out.iter_mut().enumerate() {
-        let p = w.add(i * k * 2);
-        let mut a = z;
+    let whole = rows.start + (rows.len() / R) * R;
+    for i in (rows.start..whole).step_by(R) {
+        let p: [*const u8; R] = std::array::from_fn(|r| w.add((i + r) * k * 2));
+        let mut a = [[z; C]; R];
         let mut kk = 0;
         while kk + 32 <= k {
-            let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(kk) as *const _));
-            let wv = _mm512_loadu_si512(p.add(kk * 2) as *const _);
-            a = _mm512_dpbf16_ps(a, xv, std::mem::transmute::<__m512i, __m512bh>(wv));
+            let xs = x.add(kk * C);
+            for (p, a) in p.iter().zip(a.iter_mut()) {
+                let wv: __m512bh = std::mem::transmute(_mm512_loadu_si512(p.add(kk * 2) as *const _));
+                for (c, a) in a.iter_mut().enumerate() {
+                    let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(xs.add(c * 32) as *const _));
+                    *a = _mm512_dpbf16_ps(*a, xv, wv);
+                }
+            }
             kk += 32;
         }
         if tail != 0 {
-            let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(kk) as *const _));
-            let wv = _mm512_maskz_loadu_epi16(mask, p.add(kk * 2) as *const i16);
-            a = _mm512_dpbf16_ps(a, xv, std::mem::transmute::<__m512i, __m512bh>(wv));
+            let xs = x.add(kk * C);
+            for (p, a) in p.iter().zip(a.iter_mut()) {
+                let wv: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(mask, p.add(kk * 2) as *const i16));
+                for (c, a) in a.iter_mut().enumerate() {
+                    let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(xs.add(c * 32) as *const _));
+                    *a = _mm512_dpbf16_ps(*a, xv, wv);
+                }
+            }
         }
-        *o = _mm_cvtss_f32(hsum4(a, z, z, z));
+        for (r, a) in a.iter().enumerate() {
+            let v = |c: usize| if c < C { a[c] } else { z };
+            let mut s = [0f32; 4];
+            _mm_storeu_ps(s.as_mut_ptr(), hsum4(v(0), v(1), v(2), v(3)));
+            for (c, o) in outs.iter_mut().enumerate() {
+                *o.get_unchecked_mut(i + r) = s[c];
+            }
+        }
+    }
+    if R > 1 && whole < rows.end {
+        dot_each::<1, C>(x, k, w, whole..rows.end, outs);
     }
 }
 

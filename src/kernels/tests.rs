@@ -230,8 +230,9 @@ fn matmul_is_bit_exact_across_threads_and_batch() {
     }
 }
 
-/// The one-row kernel that reads a weight row at a time (what Zen 4 runs, see `streams_rows`) gives
-/// every row the bits the tile kernel gives it in a batch, on any split, on every CPU that can run it.
+/// The kernels that read a weight row at a time (what Zen 4 runs, see `streams_rows` and
+/// `streams_many`), for one row and for a few, give every row the bits the tile kernel gives it in a
+/// batch, on any split, on every CPU that can run them.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn streamed_rows_have_the_bits_of_the_tiles() {
@@ -240,24 +241,31 @@ fn streamed_rows_have_the_bits_of_the_tiles() {
     }
     let mut rng = Rng(12);
     let pool3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-    for (rows, cols) in [(203, 77), (97, 128), (101, 1530), (31, 3001), (800, 2600), (64, 32), (5, 31)] {
+    let splits = [("inline", Split::Auto), ("chunks of 8", Split::Rows(8)), ("chunks of 60", Split::Rows(60))];
+    let same = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
+    for (rows, cols) in [(203, 77), (97, 128), (101, 1530), (31, 3001), (800, 2600), (64, 32), (5, 31), (700, 384)] {
         let w = Weights::random(&mut rng, DType::BF16, rows, cols);
-        let m = 3;
+        let m = 8;
         let x = rng.vec(m * cols, 1.0);
         let mut tiled = vec![0f32; m * rows];
-        avx512bf16::matmul(&x, m, w.mat(), &mut tiled, Split::Auto);
+        avx512bf16::tiled(&x, m, w.mat(), &mut tiled, Split::Auto);
         for i in 0..m {
             let xi = &x[i * cols..(i + 1) * cols];
-            for (name, split) in
-                [("inline", Split::Auto), ("chunks of 8", Split::Rows(8)), ("chunks of 60", Split::Rows(60))]
-            {
+            for (name, split) in splits {
                 let mut got = vec![f32::NAN; rows];
                 pool3.install(|| avx512bf16::stream_rows(xi, w.mat(), &mut got, split));
-                let want = &tiled[i * rows..(i + 1) * rows];
-                assert!(
-                    want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{rows}x{cols} row {i}, {name}"
-                );
+                assert!(same(&tiled[i * rows..(i + 1) * rows], &got), "{rows}x{cols} row {i}, {name}");
+            }
+        }
+        // A few rows at once, starting anywhere in the batch (a row's bits do not depend on its place
+        // in a group or on the group's size).
+        for (first, n) in [(0, 2), (1, 3), (0, 4), (3, 5), (2, 6), (1, 7), (0, 8)] {
+            let xs = &x[first * cols..(first + n) * cols];
+            for (name, split) in splits {
+                let mut got = vec![f32::NAN; n * rows];
+                pool3.install(|| avx512bf16::stream_many(xs, n, w.mat(), &mut got, split));
+                let want = &tiled[first * rows..(first + n) * rows];
+                assert!(same(want, &got), "{rows}x{cols} rows {first}..{}, {name}", first + n);
             }
         }
     }
