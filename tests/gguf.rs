@@ -23,8 +23,10 @@ use tandem::weights::WeightStore;
 const PAIRS: [(&str, &str); 4] =
     [("t1-f32", "d1-centroid"), ("t1-f32", "d2-tied"), ("t1-bf16", "d3-bf16"), ("t1-bf16", "d4-trained")];
 
+/// A path for a test's GGUF file in the build's scratch directory (`target/tmp`): each run rewrites its
+/// files there rather than leaving a new directory in the system's temp.
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tandem-gguf-test-{}", std::process::id()));
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gguf-test");
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
 }

@@ -4,7 +4,7 @@
 pub mod stats;
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
@@ -30,8 +30,9 @@ pub fn heldout_prompts() -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// A scratch copy of a fixture directory that a test may break (a new directory on every call).
-pub fn scratch_copy(name: &str) -> PathBuf {
+/// A scratch copy of a fixture directory that a test may break (a new directory on every call),
+/// removed when the value is dropped.
+pub fn scratch_copy(name: &str) -> Scratch {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let dir = std::env::temp_dir().join(format!("tandem-scratch-{}-{n}", std::process::id()));
@@ -41,7 +42,29 @@ pub fn scratch_copy(name: &str) -> PathBuf {
         let p = entry.unwrap().path();
         std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
     }
-    dir
+    Scratch(dir)
+}
+
+/// A directory of [`scratch_copy`]'s, deleted on drop (also when the test fails).
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 pub struct Golden {
