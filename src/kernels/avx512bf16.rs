@@ -92,15 +92,12 @@ const STREAM_MAX_K: usize = 2048;
 /// Bytes of weight rows a chunk takes through every group before it moves on: the groups after the
 /// first read them from L2.
 const STREAM_BLOCK: usize = 512 << 10;
-/// Smallest matrix `stream_many` takes: smaller ones (the shipped pair's, at most 3 MiB) are read
-/// from cache, where the tiles' many chains are faster than a few.
-const STREAM_MIN_BYTES: usize = 4 << 20;
 
 /// Whether `m > 1` activation rows over the bf16 matrix `w` go through `stream_many`: on Zen 4
-/// (`streams_rows`) for 2 to 6 rows (two groups), K up to `STREAM_MAX_K` and matrices of at least
-/// `STREAM_MIN_BYTES`. See docs/numerics.md, "A few bf16 rows on Zen 4".
+/// (`streams_rows`) for 2 to 6 rows (two groups) and K up to `STREAM_MAX_K`. See docs/numerics.md, "A
+/// few bf16 rows on Zen 4".
 fn streams_many(m: usize, w: &MatRef) -> bool {
-    (2..=2 * STREAM_GROUP).contains(&m) && w.cols <= STREAM_MAX_K && w.data.len() >= STREAM_MIN_BYTES && streams_rows()
+    (2..=2 * STREAM_GROUP).contains(&m) && w.cols <= STREAM_MAX_K && streams_rows()
 }
 
 /// `out = x · wᵀ` for a few activation rows, a weight row at a time like `stream_rows`: each row
