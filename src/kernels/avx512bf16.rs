@@ -110,8 +110,7 @@ pub(super) fn stream_many(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split
     assert!(w.dtype == DType::BF16 && x.len() == m * w.cols && out.len() == m * w.rows, "stream_many shapes");
     // SAFETY: the CPU has the features, asserted above.
     let xp = pack_panels(x, m, w.cols, 32, STREAM_GROUP, |src, dst| unsafe { pack_bf16(src, dst) });
-    let xs = xp.data();
-    let kp = w.cols.div_ceil(32) * 32;
+    let (xs, kp) = (xp.data(), xp.kp);
     let block = (STREAM_BLOCK / (w.cols * 2).max(1)).max(1);
     super::tiling::for_row_chunks(w, m, out, split, |wc, outs| {
         let (k, p) = (wc.cols, wc.data.as_ptr());
