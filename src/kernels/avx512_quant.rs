@@ -448,35 +448,37 @@ unsafe fn qh_masks(p: *const u8, bb: usize) -> (u64, u64) {
     (lo, hi)
 }
 
-/// A decoded step of a 32-element format: signed levels (elements 0..16, then 16..32, of the 4
-/// blocks), `-128 · Σ w` per lane, the block scales over their lanes, and (Q5_1) the minimums in the
-/// first lane of each block.
+/// A decoded step of a 32-element format: its levels as unsigned bytes, `w + off` (elements 0..16,
+/// then 16..32, of the 4 blocks: `vpdpbusd` multiplies unsigned by signed bytes, and the activations
+/// are the signed side), the block scales over their lanes, and (Q5_1) the minimums in the first
+/// lane of each block. The offset's share, `off · Σ x`, comes with the activations (`prep32`), so a
+/// weight step needs no correction of its own.
 #[derive(Clone, Copy)]
 struct Step32 {
     w0: __m512i,
     w1: __m512i,
-    nc: __m512i,
     d: __m512,
     m: __m512,
 }
 
-/// `-128 · Σ w` over each lane's 8 weights.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-fn neg_corr(w0: __m512i, w1: __m512i) -> __m512i {
-    let c = _mm512_set1_epi8(0x80u8 as i8);
-    let s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c, w0), c, w1);
-    _mm512_sub_epi32(_mm512_setzero_si512(), s)
+/// What the fourth prepared vector of a 32-element step holds: `-off · Σ x` per i32 lane (the
+/// formats whose unsigned levels carry an offset `off`), or the blocks' `s_x` in the first lane of
+/// each block (Q5_1, whose levels have none: it adds `m · s_x`).
+#[derive(Clone, Copy)]
+enum Extra {
+    Offset(i32),
+    Sums,
 }
 
-/// `x + 128` for the step's 4 blocks at `q` in the kernels' order (elements 0..16 of each block, then
-/// 16..32), and the block scales spread over their lanes; `n` blocks present, the rest zero.
+/// The step's 4 signed activation blocks at `q` in the kernels' order (elements 0..16 of each block,
+/// then 16..32), the block scales spread over their lanes, and `extra`'s vector (`s`: the row's block
+/// sums from the first of these blocks); `n` blocks present, the rest zero.
 ///
 /// # Safety
-/// AVX-512 F/BW; `q` readable for `32 n` bytes, `d` for `n` values.
+/// AVX-512 F/BW/VNNI; `q` readable for `32 n` bytes, `d` (and for `Sums`, `s`) for `n` values.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn prep32_step(q: *const i8, d: *const f32, n: usize, out: *mut __m512i) {
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn prep32_step(q: *const i8, d: *const f32, s: *const f32, n: usize, extra: Extra, out: *mut __m512i) {
     let (a, b, dv) = if n == 4 {
         (_mm512_loadu_si512(q as *const _), _mm512_loadu_si512(q.add(64) as *const _), _mm_loadu_ps(d))
     } else {
@@ -489,44 +491,55 @@ unsafe fn prep32_step(q: *const i8, d: *const f32, n: usize, out: *mut __m512i) 
             _mm_loadu_ps(dt.as_ptr()),
         )
     };
-    let c = _mm512_set1_epi8(0x80u8 as i8);
-    out.write(_mm512_xor_si512(_mm512_shuffle_i64x2::<0x88>(a, b), c));
-    out.add(1).write(_mm512_xor_si512(_mm512_shuffle_i64x2::<0xdd>(a, b), c));
+    let (x0, x1) = (_mm512_shuffle_i64x2::<0x88>(a, b), _mm512_shuffle_i64x2::<0xdd>(a, b));
+    out.write(x0);
+    out.add(1).write(x1);
     out.add(2).write(_mm512_castps_si512(spread4(dv)));
+    out.add(3).write(match extra {
+        Extra::Offset(off) => {
+            // Σ x over each i32 lane's 8 elements (4 in each vector), times -off: exact in i32.
+            let ones = _mm512_set1_epi8(1);
+            let sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, x0), ones, x1);
+            _mm512_mullo_epi32(sum, _mm512_set1_epi32(-off))
+        }
+        Extra::Sums => {
+            let mut s4 = [0f32; 4];
+            std::ptr::copy_nonoverlapping(s, s4.as_mut_ptr(), n);
+            _mm512_castps_si512(first_of4(_mm_loadu_ps(s4.as_ptr())))
+        }
+    });
 }
 
-/// Q8_0 / Q4_0 / Q5_0 activations: 3 vectors per step.
+/// Activations for the 32-element formats: 4 vectors per step (`prep32_step`).
 ///
 /// # Safety
 /// As `Format::prep`.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn prep32(acts: &QActs, r: usize, steps: usize, out: *mut __m512i, lines: usize) {
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn prep32(acts: &QActs, r: usize, steps: usize, out: *mut __m512i, extra: Extra) {
     let nb = acts.blocks();
     let (q, d) = (acts.row_qs(r).as_ptr(), acts.row_d(r).as_ptr());
+    // Only Q5_1's activations carry block sums.
+    let s = if matches!(extra, Extra::Sums) { acts.s.as_ptr().add(r * nb) } else { std::ptr::null() };
     for st in 0..steps {
         let n = (nb - 4 * st).min(4);
-        let o = out.add(st * lines);
-        prep32_step(q.add(128 * st), d.add(4 * st), n, o);
-        if lines == 4 {
-            let s = acts.s.as_ptr().add(r * nb + 4 * st);
-            let mut st4 = [0f32; 4];
-            std::ptr::copy_nonoverlapping(s, st4.as_mut_ptr(), n);
-            o.add(3).write(_mm512_castps_si512(first_of4(_mm_loadu_ps(st4.as_ptr()))));
-        }
+        prep32_step(q.add(128 * st), d.add(4 * st), s.wrapping_add(4 * st), n, extra, out.add(st * 4));
     }
 }
 
-/// `acc + f32(Σ w·x) · (d_w · d_x)` over the step's 4 blocks (lane by lane).
+/// `acc + f32(Σ w·x) · (d_w · d_x)` over the step's 4 blocks (lane by lane): the unsigned levels'
+/// products started from the activations' `-off · Σ x` (`offset`; Q5_1: from zero). Each lane's sum
+/// is exact in i32 (below 2^19), the same integer as the signed levels' products.
 ///
 /// # Safety
-/// AVX-512 VNNI; `a` has step `st` (3 or 4 vectors per step, `lines`).
+/// AVX-512 VNNI; `a` has step `st`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn dot32(w: &Step32, a: &Act, st: usize, lines: usize, acc: __m512) -> __m512 {
-    let x = a.x.add(st * lines);
-    let s = _mm512_dpbusd_epi32(w.nc, x.read(), w.w0);
-    let s = _mm512_dpbusd_epi32(s, x.add(1).read(), w.w1);
+unsafe fn dot32(w: &Step32, a: &Act, st: usize, offset: bool, acc: __m512) -> __m512 {
+    let x = a.x.add(st * 4);
+    let s = if offset { x.add(3).read() } else { _mm512_setzero_si512() };
+    let s = _mm512_dpbusd_epi32(s, w.w0, x.read());
+    let s = _mm512_dpbusd_epi32(s, w.w1, x.add(1).read());
     let dd = _mm512_mul_ps(w.d, _mm512_castsi512_ps(x.add(2).read()));
     _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc)
 }
@@ -546,12 +559,12 @@ impl<const VBMI: bool> Format for Q8_0<VBMI> {
     const ROW_AT_A_TIME: bool = false;
     const BB: usize = 34;
     const SB: usize = 4;
-    const LINES: usize = 3;
+    const LINES: usize = 4;
     type W = Step32;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
-        prep32(acts, r, steps, out, 3)
+        prep32(acts, r, steps, out, Extra::Offset(128))
     }
 
     #[inline]
@@ -560,15 +573,17 @@ impl<const VBMI: bool> Format for Q8_0<VBMI> {
         if VBMI {
             return decode_vbmi(b);
         }
-        let w0 = lanes16(b.add(2), 34);
-        let w1 = lanes16(b.add(18), 34);
-        Step32 { w0, w1, nc: neg_corr(w0, w1), d: spread4(f16x4(b, 34)), m: _mm512_setzero_ps() }
+        // w + 128 as unsigned bytes: the sign bit flipped.
+        let c = _mm512_set1_epi8(0x80u8 as i8);
+        let w0 = _mm512_xor_si512(lanes16(b.add(2), 34), c);
+        let w1 = _mm512_xor_si512(lanes16(b.add(18), 34), c);
+        Step32 { w0, w1, d: spread4(f16x4(b, 34)), m: _mm512_setzero_ps() }
     }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn dot(w: &Step32, a: &Act, st: usize, acc: __m512) -> __m512 {
-        dot32(w, a, st, 3, acc)
+        dot32(w, a, st, true, acc)
     }
 }
 
@@ -633,22 +648,23 @@ unsafe fn decode_vbmi(b: *const u8) -> Step32 {
     let ld = |at: usize| _mm512_loadu_si512(b.add(at) as *const _);
     let ix = |t: &ByteIdx| _mm512_load_si512(t.0.as_ptr() as *const _);
     let (v0, v64, v16, v72) = (ld(0), ld(64), ld(16), ld(72));
-    let w0 = permute_bytes(v0, ix(&Q8_LO), v64);
-    let w1 = permute_bytes(v16, ix(&Q8_HI), v72);
+    let c = _mm512_set1_epi8(0x80u8 as i8);
+    let w0 = _mm512_xor_si512(permute_bytes(v0, ix(&Q8_LO), v64), c);
+    let w1 = _mm512_xor_si512(permute_bytes(v16, ix(&Q8_HI), v72), c);
     let d = _mm512_cvtph_ps(_mm512_castsi512_si256(permute_bytes(v0, ix(&Q8_D), v64)));
-    Step32 { w0, w1, nc: neg_corr(w0, w1), d, m: _mm512_setzero_ps() }
+    Step32 { w0, w1, d, m: _mm512_setzero_ps() }
 }
 
 impl Format for Q4_0 {
     const ROW_AT_A_TIME: bool = false;
     const BB: usize = 18;
     const SB: usize = 4;
-    const LINES: usize = 3;
+    const LINES: usize = 4;
     type W = Step32;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
-        prep32(acts, r, steps, out, 3)
+        prep32(acts, r, steps, out, Extra::Offset(8))
     }
 
     #[inline]
@@ -656,60 +672,53 @@ impl Format for Q4_0 {
     unsafe fn decode(b: *const u8) -> Step32 {
         // Low nibbles are elements 0..16, high nibbles 16..32.
         let (lo, hi) = nibbles4(b.add(2), 18);
-        let c8 = _mm512_set1_epi8(8);
-        let (w0, w1) = (_mm512_sub_epi8(lo, c8), _mm512_sub_epi8(hi, c8));
-        Step32 { w0, w1, nc: neg_corr(w0, w1), d: spread4(f16x4(b, 18)), m: _mm512_setzero_ps() }
+        Step32 { w0: lo, w1: hi, d: spread4(f16x4(b, 18)), m: _mm512_setzero_ps() }
     }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn dot(w: &Step32, a: &Act, st: usize, acc: __m512) -> __m512 {
-        dot32(w, a, st, 3, acc)
+        dot32(w, a, st, true, acc)
     }
 }
 
 /// The 5-bit levels of 4 Q5_0 / Q5_1 blocks (`qs` 16 bytes at `b + qs_at`, `qh` at `b + qh_at`), as
-/// unsigned levels minus `off` (0 or 16).
+/// unsigned levels `0..32`.
 ///
 /// # Safety
 /// AVX-512 F/BW; the 4 blocks readable.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn levels5(b: *const u8, bb: usize, qs_at: usize, qh_at: usize, off: bool) -> (__m512i, __m512i) {
+unsafe fn levels5(b: *const u8, bb: usize, qs_at: usize, qh_at: usize) -> (__m512i, __m512i) {
     let (lo, hi) = nibbles4(b.add(qs_at), bb);
     let (k0, k1) = qh_masks(b.add(qh_at), bb);
     let c16 = _mm512_set1_epi8(16);
-    if off {
-        // level - 16: subtract 16 where the fifth bit is clear.
-        (_mm512_mask_sub_epi8(lo, !k0, lo, c16), _mm512_mask_sub_epi8(hi, !k1, hi, c16))
-    } else {
-        (_mm512_mask_add_epi8(lo, k0, lo, c16), _mm512_mask_add_epi8(hi, k1, hi, c16))
-    }
+    (_mm512_mask_add_epi8(lo, k0, lo, c16), _mm512_mask_add_epi8(hi, k1, hi, c16))
 }
 
 impl Format for Q5_0 {
     const ROW_AT_A_TIME: bool = false;
     const BB: usize = 22;
     const SB: usize = 4;
-    const LINES: usize = 3;
+    const LINES: usize = 4;
     type W = Step32;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
-        prep32(acts, r, steps, out, 3)
+        prep32(acts, r, steps, out, Extra::Offset(16))
     }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn decode(b: *const u8) -> Step32 {
-        let (w0, w1) = levels5(b, 22, 6, 2, true);
-        Step32 { w0, w1, nc: neg_corr(w0, w1), d: spread4(f16x4(b, 22)), m: _mm512_setzero_ps() }
+        let (w0, w1) = levels5(b, 22, 6, 2);
+        Step32 { w0, w1, d: spread4(f16x4(b, 22)), m: _mm512_setzero_ps() }
     }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn dot(w: &Step32, a: &Act, st: usize, acc: __m512) -> __m512 {
-        dot32(w, a, st, 3, acc)
+        dot32(w, a, st, true, acc)
     }
 }
 
@@ -722,21 +731,21 @@ impl Format for Q5_1 {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
-        prep32(acts, r, steps, out, 4)
+        prep32(acts, r, steps, out, Extra::Sums)
     }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn decode(b: *const u8) -> Step32 {
-        let (w0, w1) = levels5(b, 24, 8, 4, false);
-        Step32 { w0, w1, nc: neg_corr(w0, w1), d: spread4(f16x4(b, 24)), m: first_of4(f16x4(b.add(2), 24)) }
+        let (w0, w1) = levels5(b, 24, 8, 4);
+        Step32 { w0, w1, d: spread4(f16x4(b, 24)), m: first_of4(f16x4(b.add(2), 24)) }
     }
 
     /// As `dot32`, then `+ m · s_x` in the first lane of each block.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn dot(w: &Step32, a: &Act, st: usize, acc: __m512) -> __m512 {
-        let acc = dot32(w, a, st, 4, acc);
+        let acc = dot32(w, a, st, false, acc);
         _mm512_fmadd_ps(w.m, _mm512_castsi512_ps(a.x.add(st * 4 + 3).read()), acc)
     }
 }
@@ -1005,12 +1014,12 @@ impl Format for IQ4NL {
     const ROW_AT_A_TIME: bool = false;
     const BB: usize = 18;
     const SB: usize = 4;
-    const LINES: usize = 3;
+    const LINES: usize = 4;
     type W = Step32;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
-        prep32(acts, r, steps, out, 3)
+        prep32(acts, r, steps, out, Extra::Offset(128))
     }
 
     #[inline]
@@ -1018,15 +1027,16 @@ impl Format for IQ4NL {
     unsafe fn decode(b: *const u8) -> Step32 {
         // As Q4_0 (low nibbles elements 0..16, high nibbles 16..32), each nibble looked up in the table.
         let (lo, hi) = nibbles4(b.add(2), 18);
-        let t = iq4_table(0);
+        // As `level + 128`, unsigned.
+        let t = iq4_table(-128);
         let (w0, w1) = (_mm512_shuffle_epi8(t, lo), _mm512_shuffle_epi8(t, hi));
-        Step32 { w0, w1, nc: neg_corr(w0, w1), d: spread4(f16x4(b, 18)), m: _mm512_setzero_ps() }
+        Step32 { w0, w1, d: spread4(f16x4(b, 18)), m: _mm512_setzero_ps() }
     }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn dot(w: &Step32, a: &Act, st: usize, acc: __m512) -> __m512 {
-        dot32(w, a, st, 3, acc)
+        dot32(w, a, st, true, acc)
     }
 }
 
@@ -1123,11 +1133,10 @@ mod tests {
             let (a, b) = unsafe { (Q8_0::<false>::decode(step.as_ptr()), Q8_0::<true>::decode(step.as_ptr())) };
             // SAFETY: AVX-512F (checked above); each store writes 16 lanes inside `v`.
             let bits = |s: &Step32| unsafe {
-                let mut v = [0u32; 64];
+                let mut v = [0u32; 48];
                 _mm512_storeu_si512(v.as_mut_ptr() as *mut _, s.w0);
                 _mm512_storeu_si512(v.as_mut_ptr().add(16) as *mut _, s.w1);
-                _mm512_storeu_si512(v.as_mut_ptr().add(32) as *mut _, s.nc);
-                _mm512_storeu_ps(v.as_mut_ptr().add(48) as *mut f32, s.d);
+                _mm512_storeu_ps(v.as_mut_ptr().add(32) as *mut f32, s.d);
                 v
             };
             assert_eq!(bits(&a), bits(&b), "decoded step differs");
