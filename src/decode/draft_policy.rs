@@ -115,6 +115,26 @@ const PROBE_EVERY: usize = 16;
 /// Rounds between single-draft probes while not drafting.
 const PROBE_IDLE_EVERY: usize = 32;
 
+/// A running estimate of a step's time, updated with the time `x` one step took: an exponential moving
+/// average, with a sample over twice the estimate counted as twice the estimate. Steps stall now and then
+/// (another process takes the core, a page fault); one stalled step would otherwise make its row count
+/// look several times dearer until that count is measured again, which a policy that has stopped choosing
+/// it may never do. A real slowdown still shows within a few steps (docs/speculative.md, "Adaptive draft length").
+pub(crate) fn timing_ema(old: Option<f64>, x: f64) -> f64 {
+    match old {
+        Some(o) => 0.8 * o + 0.2 * x.min(2.0 * o),
+        None => x,
+    }
+}
+
+/// The time measured in `table` (indexed by row count or batch size) at the next count above `n` that
+/// has one, or infinity: more rows never cost less, so that bounds the estimate for `n`. Only the next
+/// one: the least of all larger counts would be biased low by their noise (docs/speculative.md,
+/// "Adaptive draft length").
+pub(crate) fn next_above(table: &[Option<f64>], n: usize) -> f64 {
+    table.iter().skip(n + 1).find_map(|t| *t).unwrap_or(f64::INFINITY)
+}
+
 /// Running estimates behind `--draft-tokens auto`.
 #[derive(Clone, Debug)]
 pub struct AutoDraft {
@@ -148,10 +168,6 @@ impl AutoDraft {
         }
     }
 
-    fn ema(old: Option<f64>, new: f64) -> Option<f64> {
-        Some(old.map_or(new, |o| 0.8 * o + 0.2 * new))
-    }
-
     /// The most drafts worth trying next: one past the deepest position ever reached. Drafts deepen one
     /// position per round as they are accepted, and a drafter whose first draft is never accepted costs
     /// one draft per round while the evidence builds up, not the several that the prior's one half
@@ -179,16 +195,19 @@ impl AutoDraft {
     }
 
     fn verify_cost(&self, rows: usize) -> Option<f64> {
-        // Unmeasured row counts: interpolate from the nearest measured ones, else assume flat-ish cost.
-        if let Some(t) = self.verify_s[rows] {
-            return Some(t);
-        }
-        let one = self.verify_s[1]?;
-        let known = (2..self.verify_s.len()).rev().find_map(|r| self.verify_s[r].map(|t| (r, t)));
-        Some(match known {
-            Some((r, t)) => one + (t - one) * (rows - 1) as f64 / (r - 1) as f64,
-            None => one * (1.0 + 0.05 * (rows - 1) as f64),
-        })
+        let raw = match self.verify_s[rows] {
+            Some(t) => t,
+            // Unmeasured row counts: interpolate from the nearest measured ones, else assume flat-ish cost.
+            None => {
+                let one = self.verify_s[1]?;
+                let known = (2..self.verify_s.len()).rev().find_map(|r| self.verify_s[r].map(|t| (r, t)));
+                match known {
+                    Some((r, t)) => one + (t - one) * (rows - 1) as f64 / (r - 1) as f64,
+                    None => one * (1.0 + 0.05 * (rows - 1) as f64),
+                }
+            }
+        };
+        Some(raw.min(next_above(&self.verify_s, rows)))
     }
 
     /// The k in 0..=k_max with the best expected tokens per second. Drafting at all must beat plain steps
@@ -243,10 +262,10 @@ impl AutoDraft {
             *slot = (DECAY * slot.0 + hit, DECAY * slot.1 + 1.0);
         }
         if drafted > 0 {
-            self.draft_step_s = Self::ema(self.draft_step_s, draft_s / drafted as f64);
+            self.draft_step_s = Some(timing_ema(self.draft_step_s, draft_s / drafted as f64));
         }
         if let Some(v) = self.verify_s.get_mut(drafted + 1) {
-            *v = Self::ema(*v, verify_s);
+            *v = Some(timing_ema(*v, verify_s));
         }
     }
 }
@@ -354,6 +373,27 @@ mod tests {
         let tail = &ks[200..];
         let mean = tail.iter().sum::<usize>() as f64 / tail.len() as f64;
         assert!(mean >= 4.0, "mean k {mean}: {ks:?}");
+    }
+
+    #[test]
+    fn one_slow_round_does_not_steer_the_length_for_long() {
+        // Drafts are right up to position 4; a round costs 10 ms plus 1 ms per row and 0.3 ms per draft,
+        // so k = 4 is best (8 % ahead of k = 5). Round 60 takes 20 times as long, as any step may when
+        // the machine stalls: the row count it measured must not look dear for the rest of the run.
+        let mut a = DraftPolicy::from(DraftLength::Auto);
+        let ks: Vec<usize> = (0..300)
+            .map(|round| {
+                let k = a.choose(8);
+                let accepted = (0..k).take_while(|&i| i < 4).count();
+                let stall = if round == 60 { 20.0 } else { 1.0 };
+                a.record(k, accepted, 0.0003 * k as f64, stall * 0.010 * (1.0 + 0.1 * k as f64));
+                k
+            })
+            .collect();
+        assert_eq!(ks[59], 4, "{ks:?}");
+        let tail = &ks[70..];
+        let at4 = tail.iter().filter(|&&k| k == 4).count();
+        assert!(at4 * 10 >= tail.len() * 8, "k = 4 in {at4} of {} rounds after the stall: {ks:?}", tail.len());
     }
 
     #[test]

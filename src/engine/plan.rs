@@ -4,7 +4,7 @@
 //! total row count and of a draft step by its batch size, for the most expected tokens per second of the
 //! whole step.
 
-use crate::decode::draft_policy::AUTO_MAX_DRAFT;
+use crate::decode::draft_policy::{next_above, timing_ema, AUTO_MAX_DRAFT};
 
 /// Largest row count and draft batch whose costs are tracked (larger ones are extrapolated).
 const MAX_ROWS: usize = 512;
@@ -26,15 +26,17 @@ impl Default for Costs {
 }
 
 fn ema(slot: &mut Option<f64>, x: f64) {
-    *slot = Some(slot.map_or(x, |o| 0.8 * o + 0.2 * x));
+    *slot = Some(timing_ema(*slot, x));
 }
 
 /// The cost at `n` from the measured points: linear between the nearest below and above, else along the
 /// slope of the two highest below; `None` before anything at or below `n` was measured.
 fn lookup(table: &[Option<f64>], n: usize) -> Option<f64> {
     let n = n.max(1);
+    // More rows never cost less: what the next larger count measured bounds this one (a stalled step).
+    let bound = next_above(table, n);
     if let Some(Some(t)) = table.get(n) {
-        return Some(*t);
+        return Some(t.min(bound));
     }
     let mut below = (1..n.min(table.len())).rev().filter_map(|i| table[i].map(|t| (i, t)));
     let lo = below.next()?;
@@ -45,7 +47,7 @@ fn lookup(table: &[Option<f64>], n: usize) -> Option<f64> {
         // One point: assume each further row costs 5% of it (a memory-bound step); probes refine it.
         (None, None) => 0.05 * lo.1,
     };
-    Some(lo.1 + slope * (n - lo.0) as f64)
+    Some((lo.1 + slope * (n - lo.0) as f64).min(bound))
 }
 
 /// [`lookup`], or below the smallest count measured, that one's cost (a smaller count costs no more).
@@ -307,6 +309,29 @@ mod tests {
         d.record_prefill(16, 5, 0.180);
         assert_eq!(d.busy_prefill_rows(1, 2.0, 8, 32), 20);
         assert_eq!(d.busy_prefill_rows(2, 1.5, 8, 32), 10);
+    }
+
+    #[test]
+    fn a_stalled_step_is_bounded_by_the_steady_costs() {
+        let mut c = Costs::default();
+        for _ in 0..10 {
+            c.record_forward(5, 0.100);
+            c.record_forward(6, 0.110);
+        }
+        // One 5-row step took 20 times as long: counted as twice the estimate, then bounded by what 6 rows
+        // cost.
+        c.record_forward(5, 2.0);
+        let near = |t: Option<f64>, want: f64| t.is_some_and(|t| (t - want).abs() < 1e-12);
+        assert!(near(c.forward(5), 0.110), "{:?}", c.forward(5));
+        // A stall moves an estimate by a fifth at most: 6 rows go to 0.132, above 5 rows' own 0.120.
+        c.record_forward(6, 2.0);
+        let six = c.forward(6).expect("measured");
+        assert!(near(Some(six), 0.132), "{six}");
+        assert!(near(c.forward(5), 0.120), "{:?}", c.forward(5));
+        // Draft steps: a larger batch's cost bounds a smaller one's, measured or not.
+        c.record_draft(2, 0.010);
+        c.record_draft(1, 0.050);
+        assert!(near(c.draft(1), 0.010), "{:?}", c.draft(1));
     }
 
     #[test]
