@@ -131,7 +131,7 @@ pub(crate) fn timing_ema(old: Option<f64>, x: f64) -> f64 {
 /// has one, or infinity: more rows never cost less, so that bounds the estimate for `n`. Only the next
 /// one: the least of all larger counts would be biased low by their noise (docs/speculative.md,
 /// "Adaptive draft length").
-pub(crate) fn next_above(table: &[Option<f64>], n: usize) -> f64 {
+fn next_above(table: &[Option<f64>], n: usize) -> f64 {
     table.iter().skip(n + 1).find_map(|t| *t).unwrap_or(f64::INFINITY)
 }
 

@@ -4,7 +4,7 @@
 //! total row count and of a draft step by its batch size, for the most expected tokens per second of the
 //! whole step.
 
-use crate::decode::draft_policy::{next_above, timing_ema, AUTO_MAX_DRAFT};
+use crate::decode::draft_policy::{timing_ema, AUTO_MAX_DRAFT};
 
 /// Largest row count and draft batch whose costs are tracked (larger ones are extrapolated).
 const MAX_ROWS: usize = 512;
@@ -33,14 +33,14 @@ fn ema(slot: &mut Option<f64>, x: f64) {
 /// slope of the two highest below; `None` before anything at or below `n` was measured.
 fn lookup(table: &[Option<f64>], n: usize) -> Option<f64> {
     let n = n.max(1);
+    let above = (n + 1..table.len()).find_map(|i| table[i].map(|t| (i, t)));
     // More rows never cost less: what the next larger count measured bounds this one (a stalled step).
-    let bound = next_above(table, n);
+    let bound = above.map_or(f64::INFINITY, |hi| hi.1);
     if let Some(Some(t)) = table.get(n) {
         return Some(t.min(bound));
     }
     let mut below = (1..n.min(table.len())).rev().filter_map(|i| table[i].map(|t| (i, t)));
     let lo = below.next()?;
-    let above = (n + 1..table.len()).find_map(|i| table[i].map(|t| (i, t)));
     let slope = match (above, below.next()) {
         (Some(hi), _) => (hi.1 - lo.1) / (hi.0 - lo.0) as f64,
         (None, Some(lower)) => ((lo.1 - lower.1) / (lo.0 - lower.0) as f64).max(0.0),
