@@ -12,7 +12,7 @@ use tandem::decode::draft_policy::{DraftLength, DraftPolicy};
 use tandem::decode::generate::{generate, GenerateOptions};
 use tandem::decode::sampling::SamplingParams;
 use tandem::decode::speculative::generate_speculative;
-use tandem::engine::{Event, Handle, Limits, Models, Outcome, Prompt, Request, Scheduler};
+use tandem::engine::{Event, Handle, Limits, Models, Outcome, Prompt, Request, Scheduler, StepClock};
 use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
 
@@ -66,6 +66,10 @@ fn prompt(vocab: usize, n: usize, salt: u64) -> Vec<u32> {
         })
         .collect()
 }
+
+/// Step costs in which a row adds 1 % to a forward and a draft step 2-4 %: drafting pays.
+const CHEAP_ROWS: StepClock =
+    StepClock::Model { forward_base: 1e-3, forward_row: 1e-5, draft_base: 2e-5, draft_row: 2e-6 };
 
 /// The same request run alone through the single-sequence path.
 fn solo(m: &Models, ids: &[u32], o: &GenerateOptions, draft: Option<DraftLength>) -> Vec<u32> {
@@ -373,7 +377,9 @@ fn seeded_sampling_with_auto_under_load_keeps_the_plain_distribution() {
     let params = SamplingParams { temperature: 0.7, top_k: 6, ..SamplingParams::default() };
     let (m1, m2) = stats::exact_marginals(&m.target, &prompt, &params);
     let n = 2400;
-    let mut s = Scheduler::new(&m, limits());
+    // Step costs from a fixed model in which rows are cheap next to the weights (the memory-bound shape
+    // that makes drafting pay), so that how often `auto` drafts does not depend on the machine's load.
+    let mut s = Scheduler::new(&m, Limits { clock: CHEAP_ROWS, ..limits() });
     let mut counts = (std::collections::HashMap::new(), std::collections::HashMap::new());
     let mut drafted = 0;
     for batch in 0..n / 24 {
@@ -405,4 +411,41 @@ fn seeded_sampling_with_auto_under_load_keeps_the_plain_distribution() {
         println!("token {}: chi2 {stat:.1} (critical {crit:.1})", i + 1);
         assert!(stat < crit, "token {} under load differs from plain sampling: chi2 {stat} >= {crit}", i + 1);
     }
+}
+
+#[test]
+fn auto_under_load_drafts_as_the_step_costs_say() {
+    // The same eight greedy `auto` requests under two cost models: where rows are cheap next to the
+    // weights the scheduler drafts deep; where every row costs as much as the weights and a draft step
+    // as much as a forward, drafts cannot pay and it drafts little (a probe now and then). The tokens are
+    // the same either way.
+    let m = models(fixture_dir("t1-bf16"), Some(fixture_dir("d4-trained")));
+    let mut base: Vec<u32> = vec![2, 17, 33, 90, 121, 7, 64, 200];
+    base.extend(generate(&m.target, &base, &opts(&m, 16, SamplingParams::default()), |_| {}).unwrap().tokens);
+    let dear = StepClock::Model { forward_base: 1e-3, forward_row: 1e-3, draft_base: 2e-3, draft_row: 1e-3 };
+    let run = |clock: StepClock| {
+        let mut s = Scheduler::new(&m, Limits { clock, ..limits() });
+        let mut cases: Vec<Case> = (0..8)
+            .map(|i| {
+                let mut ids = base.clone();
+                ids.truncate(base.len() - i);
+                case(ids, opts(&m, 24, SamplingParams::default()), Some(DraftLength::Auto), 0, None)
+            })
+            .collect();
+        submit_all(&mut s, &mut cases);
+        drive(&mut s, &mut cases);
+        let drafted: usize =
+            cases.iter().map(|c| c.outcome.as_ref().unwrap().spec.as_ref().map_or(0, |sp| sp.drafted_tokens)).sum();
+        let accepted: usize =
+            cases.iter().map(|c| c.outcome.as_ref().unwrap().spec.as_ref().map_or(0, |sp| sp.accepted_tokens)).sum();
+        println!("{clock:?}: {drafted} drafted, {accepted} accepted");
+        let tokens: Vec<Vec<u32>> =
+            cases.iter().map(|c| c.outcome.as_ref().unwrap().generation.tokens.clone()).collect();
+        (drafted, tokens)
+    };
+    let (cheap_drafts, cheap_tokens) = run(CHEAP_ROWS);
+    let (dear_drafts, dear_tokens) = run(dear);
+    println!("drafts: {cheap_drafts} with cheap rows, {dear_drafts} with dear ones");
+    assert_eq!(cheap_tokens, dear_tokens, "greedy tokens depend on the draft lengths");
+    assert!(cheap_drafts >= 4 * dear_drafts.max(8), "cheap rows: {cheap_drafts} drafts; dear rows: {dear_drafts}");
 }

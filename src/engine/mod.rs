@@ -181,6 +181,38 @@ pub struct Limits {
     pub pool: usize,
     /// A pause after every step of [`Engine`]'s thread (a test hook: lets a test interrupt a reply).
     pub step_delay: Option<std::time::Duration>,
+    /// Where the step costs that steer `auto` and the prefill chunks come from.
+    pub clock: StepClock,
+}
+
+/// The source of the step costs the scheduler plans with (docs/engine.md, "Draft length under load").
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum StepClock {
+    /// The wall-clock time of each forward and draft step.
+    #[default]
+    Measured,
+    /// A fixed cost model instead (a test hook): a forward over `r` rows takes `forward_base + r ·
+    /// forward_row` seconds and a draft step for `b` sequences `draft_base + b · draft_row`, so that
+    /// `auto`'s choices depend on the acceptance seen and not on how busy the machine is.
+    Model { forward_base: f64, forward_row: f64, draft_base: f64, draft_row: f64 },
+}
+
+impl StepClock {
+    /// The cost of a forward over `rows` rows that took `measured` seconds.
+    fn forward(self, rows: usize, measured: f64) -> f64 {
+        match self {
+            StepClock::Measured => measured,
+            StepClock::Model { forward_base, forward_row, .. } => forward_base + rows as f64 * forward_row,
+        }
+    }
+
+    /// The cost of a draft step for `batch` sequences that took `measured` seconds.
+    fn draft(self, batch: usize, measured: f64) -> f64 {
+        match self {
+            StepClock::Measured => measured,
+            StepClock::Model { draft_base, draft_row, .. } => draft_base + batch as f64 * draft_row,
+        }
+    }
 }
 
 impl Default for Limits {
@@ -193,6 +225,7 @@ impl Default for Limits {
             kv_bytes: 8 << 30,
             pool: 4,
             step_delay: None,
+            clock: StepClock::Measured,
         }
     }
 }
@@ -537,7 +570,7 @@ impl<'m> Scheduler<'m> {
                         .collect();
                     assistant.draft_batch(&self.models.target, &rows)
                 };
-                let elapsed = t.elapsed().as_secs_f64();
+                let elapsed = self.limits.clock.draft(drafting.len(), t.elapsed().as_secs_f64());
                 self.costs.record_draft(drafting.len(), elapsed);
                 let secs = elapsed / drafting.len() as f64;
                 report.draft_steps += 1;
@@ -569,7 +602,7 @@ impl<'m> Scheduler<'m> {
                 }
                 self.models.target.forward_batch(&mut inputs)
             };
-            let secs = t.elapsed().as_secs_f64();
+            let secs = self.limits.clock.forward(report.rows, t.elapsed().as_secs_f64());
             // Only steps whose every row computes logits teach the cost of a row: a prefill chunk's rows
             // skip the output head, so steps holding one would make verify rows look cheaper than they are
             // (docs/engine.md, "Draft length under load").
