@@ -41,6 +41,9 @@ pub fn add_normed(h: &mut [f32], y: &[f32], w: &[f32], eps: f32, dt: DType) {
     }
 }
 
+/// Activations per task in [`gelu_mlp`]'s element-wise part.
+const ACT_PIECE: usize = 2048;
+
 /// `down(gelu(gate(x)) ⊙ up(x))` with transformers' roundings (docs/model.md, "MLP").
 pub fn gelu_mlp(x: &[f32], rows: usize, gate: Weight, up: Weight, down: Weight, dt: DType) -> Vec<f32> {
     let inter = gate.rows();
@@ -48,14 +51,19 @@ pub fn gelu_mlp(x: &[f32], rows: usize, gate: Weight, up: Weight, down: Weight, 
     let mut u = vec![0f32; rows * inter];
     kernels::matmul(x, rows, gate, &mut g);
     kernels::matmul(x, rows, up, &mut u);
-    dt.round_slice(&mut g);
-    dt.round_slice(&mut u);
-    kernels::gelu_tanh(&mut g);
-    dt.round_slice(&mut g);
-    for (a, b) in g.iter_mut().zip(&u) {
-        *a *= b;
-    }
-    dt.round_slice(&mut g);
+    // Element-wise, so in pieces on the kernels' pool: a verify's five rows would otherwise leave the
+    // other cores idle for six passes over rows × intermediate values.
+    let pieces: Vec<(&mut [f32], &mut [f32])> = g.chunks_mut(ACT_PIECE).zip(u.chunks_mut(ACT_PIECE)).collect();
+    kernels::par_map(pieces, |(g, u)| {
+        dt.round_slice(g);
+        dt.round_slice(u);
+        kernels::gelu_tanh(g);
+        dt.round_slice(g);
+        for (a, b) in g.iter_mut().zip(u.iter()) {
+            *a *= b;
+        }
+        dt.round_slice(g);
+    });
     let mut out = vec![0f32; rows * down.rows()];
     kernels::matmul(&g, rows, down, &mut out);
     dt.round_slice(&mut out);
