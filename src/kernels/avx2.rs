@@ -7,7 +7,7 @@
 use super::tiling::{
     for_row_chunks, pack_panels, pack_panels_by_row, store_tile, Panels, Plan, Tile, L1_BUDGET, L1_BYTES,
 };
-use super::x86::{drive, gather, prefetch_rows_ahead, short_rows, Prefetch};
+use super::x86::{drive, gather, prefetch_rows_ahead, short_rows, Accs, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -69,9 +69,14 @@ macro_rules! shapes {
 /// A tile's accumulators, parked in memory between K chunks (row-major `rows × group`, ≤ 12).
 type Acc = [__m256; 12];
 
-fn acc_storage(n: usize) -> Vec<Acc> {
+thread_local! {
+    static ACCS: std::cell::Cell<Vec<Acc>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// `n` accumulator sets (`x86::Accs`: the thread's last ones, reused).
+fn acc_storage(n: usize) -> Accs<Acc> {
     // SAFETY: __m256 is plain data; any bit pattern (here zeros) is a valid value.
-    vec![unsafe { std::mem::zeroed::<Acc>() }; n]
+    Accs::take(&ACCS, n, unsafe { std::mem::zeroed::<Acc>() })
 }
 
 pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {

@@ -8,7 +8,7 @@
 //! 2-byte aligned: every load is unaligned.
 
 use super::tiling::{pack_panels, Plan, Tile, L1_BUDGET};
-use super::x86::{drive, Prefetch};
+use super::x86::{drive, Accs, Prefetch};
 use super::{DType, MatRef, Split};
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -46,10 +46,14 @@ pub(super) fn plan(m: usize, k: usize, wide: bool, step: usize, x_bytes: usize, 
 /// A tile's accumulators, parked in memory between K chunks (row-major `rows × group`, ≤ 24).
 pub(super) type Acc = [__m512; 24];
 
-/// `n` accumulator sets.
-pub(super) fn acc_storage(n: usize) -> Vec<Acc> {
+thread_local! {
+    static ACCS: std::cell::Cell<Vec<Acc>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// `n` accumulator sets (`x86::Accs`: the thread's last ones, reused).
+pub(super) fn acc_storage(n: usize) -> Accs<Acc> {
     // SAFETY: __m512 is plain data; any bit pattern (here zeros) is a valid value.
-    vec![unsafe { std::mem::zeroed::<Acc>() }; n]
+    Accs::take(&ACCS, n, unsafe { std::mem::zeroed::<Acc>() })
 }
 
 /// Every tile shape `plan` produces (tails use 1 weight row with the same x rows).
