@@ -337,6 +337,32 @@ pub fn matmul<'a>(x: &[f32], m: usize, w: impl Into<Weight<'a>>, out: &mut [f32]
     matmul_with(isa(), x, m, w, out)
 }
 
+/// [`matmul`] of several weights against the same activations (a layer's K and V projections). The
+/// products too small to be split over threads run side by side, one task each, in one parallel
+/// region, rather than one after the other on this thread; the others run as [`matmul`] runs them.
+/// Every output gets the bits [`matmul`] gives it: the same kernels, whichever thread runs them.
+pub fn matmul_each(x: &[f32], m: usize, jobs: &mut [(Weight<'_>, &mut [f32])]) {
+    let isa = isa();
+    let alone = |w: &Weight<'_>| !tiling::would_split(w.rows(), w.row_bytes(), w.cols(), m);
+    let (small, large): (Vec<_>, Vec<_>) = jobs.iter_mut().partition(|j| alone(&j.0));
+    if small.len() > 1 && pool::width() > 1 {
+        let slots: Vec<std::sync::Mutex<&mut (Weight<'_>, &mut [f32])>> =
+            small.into_iter().map(std::sync::Mutex::new).collect();
+        pool::for_each(slots.len(), &|i| {
+            let mut job = slots[i].lock().unwrap_or_else(|e| e.into_inner());
+            let (w, out) = &mut **job;
+            matmul_with(isa, x, m, *w, out);
+        });
+    } else {
+        for (w, out) in small {
+            matmul_with(isa, x, m, *w, out);
+        }
+    }
+    for (w, out) in large {
+        matmul_with(isa, x, m, *w, out);
+    }
+}
+
 /// [`matmul`] on a given instruction set (lowered to what the CPU supports).
 pub fn matmul_with<'a>(isa: Isa, x: &[f32], m: usize, w: impl Into<Weight<'a>>, out: &mut [f32]) {
     match w.into() {

@@ -3,7 +3,7 @@
 //! formats allow), and batch / split invariance of every path.
 
 use super::quant::{self, dequantize_row, quantize_acts, quantize_row, unpack, QActs, QMatRef, QType, Unpacked};
-use super::{matmul_quant, Isa, Split};
+use super::{matmul, matmul_each, matmul_quant, DType, Isa, MatRef, Split, Weight};
 
 // The quantized kernels exist for AVX2 and AVX-512 VNNI; every SIMD level the CPU runs reaches one of them.
 use super::tests::{simd_isas, Rng};
@@ -436,6 +436,51 @@ fn iq4_layouts() {
         for i in 0..16 {
             assert_eq!(y[32 * j + i], dl * quant::IQ4_VALUES[i] as f32, "sub-block {j} weight {i}");
             assert_eq!(y[32 * j + 16 + i], dl * quant::IQ4_VALUES[j] as f32, "sub-block {j} weight {}", 16 + i);
+        }
+    }
+}
+
+#[test]
+fn matmul_each_gives_every_product_the_bits_of_matmul() {
+    // Two small products (one KV head's K and V: on two threads side by side) and a large one (split
+    // over threads itself), with bf16 and quantized weights, at one, two and five activation rows.
+    let mut rng = Rng(7);
+    let cols = 384;
+    let shapes = [64usize, 64, 1536];
+    let bf16: Vec<Vec<u8>> = shapes
+        .iter()
+        .map(|&r| {
+            rng.vec(r * cols, 1.0).iter().flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()).collect()
+        })
+        .collect();
+    let q8: Vec<Vec<u8>> = shapes.iter().map(|&r| quantize(QType::Q8_0, r, cols, &rng.vec(r * cols, 1.0))).collect();
+    for m in [1, 2, 5] {
+        let x = rng.vec(m * cols, 2.0);
+        for quant in [false, true] {
+            let ws: Vec<Weight<'_>> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, &r)| match quant {
+                    false => Weight::Float(MatRef::new(DType::BF16, r, cols, &bf16[i])),
+                    true => Weight::Quant(QMatRef::new(QType::Q8_0, r, cols, &q8[i])),
+                })
+                .collect();
+            let want: Vec<Vec<f32>> = ws
+                .iter()
+                .map(|w| {
+                    let mut o = vec![0f32; m * w.rows()];
+                    matmul(&x, m, *w, &mut o);
+                    o
+                })
+                .collect();
+            let mut got: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; m * w.rows()]).collect();
+            let mut jobs: Vec<(Weight<'_>, &mut [f32])> =
+                ws.iter().zip(got.iter_mut()).map(|(w, o)| (*w, o.as_mut_slice())).collect();
+            matmul_each(&x, m, &mut jobs);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "m = {m}, quantized {quant}: product {i} differs from matmul");
+            }
         }
     }
 }

@@ -77,12 +77,7 @@ where
     if m == 0 || n == 0 {
         return;
     }
-    let width = pool::width();
-    let (threads, pooled) = match width {
-        1 if pool::in_region() => (1, false),
-        1 => (rayon::current_num_threads(), false),
-        w => (w, true),
-    };
+    let (threads, pooled) = threads_here();
     let Some(rows) = chunk_rows(n, row_bytes, k, m, split, threads, pooled) else {
         let mut outs: Vec<&mut [f32]> = out.chunks_mut(n).collect();
         f(0..n, &mut outs);
@@ -103,6 +98,22 @@ where
         f(start..n.min(start + rows), &mut outs);
     };
     pool::for_each(nchunks, &task);
+}
+
+/// The threads a product started on this thread now may use, and whether through the spinning pool.
+fn threads_here() -> (usize, bool) {
+    match pool::width() {
+        1 if pool::in_region() => (1, false),
+        1 => (rayon::current_num_threads(), false),
+        w => (w, true),
+    }
+}
+
+/// Whether [`for_row_ranges`], called on this thread now, would split a product of `n` weight rows of
+/// `row_bytes` bytes and `k` columns against `m` activation rows over threads.
+pub(crate) fn would_split(n: usize, row_bytes: usize, k: usize, m: usize) -> bool {
+    let (threads, pooled) = threads_here();
+    chunk_rows(n, row_bytes, k, m, Split::Auto, threads, pooled).is_some()
 }
 
 /// x packed by [`pack_panels`]: `data()` starts on a 64-byte boundary.

@@ -572,17 +572,21 @@ impl TargetModel {
 
         if let Some(kw) = &layer.attn.k {
             let mut k = vec![0f32; rows * kvh * d];
-            kernels::matmul(&a, rows, kw.mat(), &mut k);
-            dt.round_slice(&mut k);
             // k_eq_v: V is the raw K projection (before k_norm and RoPE).
             let mut v = match &layer.attn.v {
                 Some(vw) => {
+                    // One KV head's K and V are small matrices: side by side on two threads.
                     let mut v = vec![0f32; rows * kvh * d];
-                    kernels::matmul(&a, rows, vw.mat(), &mut v);
+                    kernels::matmul_each(&a, rows, &mut [(kw.mat(), &mut k), (vw.mat(), &mut v)]);
+                    dt.round_slice(&mut k);
                     dt.round_slice(&mut v);
                     v
                 }
-                None => k.clone(),
+                None => {
+                    kernels::matmul(&a, rows, kw.mat(), &mut k);
+                    dt.round_slice(&mut k);
+                    k.clone()
+                }
             };
             norm_heads(&mut k, d, layer.attn.k_norm.as_deref(), eps, dt);
             norm_heads(&mut v, d, None, eps, dt);
