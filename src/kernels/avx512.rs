@@ -121,6 +121,26 @@ fn tail_mask16(n: usize) -> u16 {
     }
 }
 
+/// `out[i..i + 16] = f(x[i..i + 16], i)` over the whole vectors of `x` with plain loads and stores, then
+/// the tail (if any) through masked ones, as `avx2::map_vectors` (docs/numerics.md, "AVX2
+/// tiles and prefetch"): a load that reads what a masked store just wrote waits for that store.
+///
+/// # Safety
+/// Needs AVX-512 F; `x` and `out` cover `n` values (they may be the same buffer).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn map_vectors(x: *const f32, out: *mut f32, n: usize, mut f: impl FnMut(__m512, usize) -> __m512) {
+    let mut i = 0;
+    while i + 16 <= n {
+        _mm512_storeu_ps(out.add(i), f(_mm512_loadu_ps(x.add(i)), i));
+        i += 16;
+    }
+    if i < n {
+        let mask = tail_mask16(n - i);
+        _mm512_mask_storeu_ps(out.add(i), mask, f(_mm512_maskz_loadu_ps(mask, x.add(i)), i));
+    }
+}
+
 /// `x` rounded to the nearest bf16 (ties to even, NaN kept quiet), still as f32 bits: the vector
 /// form of `half::bf16::from_f32`, so the SIMD paths see exactly the activations the scalar
 /// reference does.
@@ -376,13 +396,11 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 unsafe fn axpy_impl(a: f32, x: &[f32], y: &mut [f32]) {
     let (n, px, py) = (x.len(), x.as_ptr(), y.as_mut_ptr());
     let av = _mm512_set1_ps(a);
-    let mut i = 0;
-    while i < n {
-        let mask = tail_mask16(n - i);
-        let v = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(mask, px.add(i)), _mm512_maskz_loadu_ps(mask, py.add(i)));
-        _mm512_mask_storeu_ps(py.add(i), mask, v);
-        i += 16;
-    }
+    map_vectors(py, py, n, |y, i| {
+        let x =
+            if i + 16 <= n { _mm512_loadu_ps(px.add(i)) } else { _mm512_maskz_loadu_ps(tail_mask16(n - i), px.add(i)) };
+        _mm512_fmadd_ps(av, x, y)
+    });
 }
 
 pub fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
@@ -398,17 +416,20 @@ unsafe fn rms_norm_impl(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32])
     let n = x.len();
     let ms = dot_impl(x, x) / n as f32;
     let inv = _mm512_set1_ps(1.0 / (ms + eps).sqrt());
-    let (px, po) = (x.as_ptr(), out.as_mut_ptr());
-    let mut i = 0;
-    while i < n {
-        let mask = tail_mask16(n - i);
-        // Same order as the scalar version: (x · inv) · w.
-        let mut v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, px.add(i)), inv);
-        if let Some(w) = w {
-            v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, w.as_ptr().add(i)));
+    // Same order as the scalar version: (x · inv) · w.
+    match w {
+        None => map_vectors(x.as_ptr(), out.as_mut_ptr(), n, |v, _| _mm512_mul_ps(v, inv)),
+        Some(w) => {
+            let pw = w.as_ptr();
+            map_vectors(x.as_ptr(), out.as_mut_ptr(), n, |v, i| {
+                let wv = if i + 16 <= n {
+                    _mm512_loadu_ps(pw.add(i))
+                } else {
+                    _mm512_maskz_loadu_ps(tail_mask16(n - i), pw.add(i))
+                };
+                _mm512_mul_ps(_mm512_mul_ps(v, inv), wv)
+            })
         }
-        _mm512_mask_storeu_ps(po.add(i), mask, v);
-        i += 16;
     }
 }
 
@@ -446,10 +467,18 @@ pub fn softmax(x: &mut [f32]) {
 unsafe fn softmax_impl(x: &mut [f32]) {
     let (n, p) = (x.len(), x.as_mut_ptr());
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    // Lanes past the end load -inf (the max ignores them, and their exp is 0).
+    let load = |i: usize| {
+        if i + 16 <= n {
+            _mm512_loadu_ps(p.add(i))
+        } else {
+            _mm512_mask_loadu_ps(ninf, tail_mask16(n - i), p.add(i))
+        }
+    };
     let mut mx = ninf;
     let mut i = 0;
     while i < n {
-        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, tail_mask16(n - i), p.add(i)));
+        mx = _mm512_max_ps(mx, load(i));
         i += 16;
     }
     let max = _mm512_reduce_max_ps(mx);
@@ -458,22 +487,13 @@ unsafe fn softmax_impl(x: &mut [f32]) {
         return;
     }
     let (mv, mut sum) = (_mm512_set1_ps(max), _mm512_setzero_ps());
-    i = 0;
-    while i < n {
-        let mask = tail_mask16(n - i);
-        // Lanes past the end load -inf, whose exp is 0.
-        let e = exp(_mm512_sub_ps(_mm512_mask_loadu_ps(ninf, mask, p.add(i)), mv));
+    map_vectors(p, p, n, |_, i| {
+        let e = exp(_mm512_sub_ps(load(i), mv));
         sum = _mm512_add_ps(sum, e);
-        _mm512_mask_storeu_ps(p.add(i), mask, e);
-        i += 16;
-    }
+        e
+    });
     let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(sum));
-    i = 0;
-    while i < n {
-        let mask = tail_mask16(n - i);
-        _mm512_mask_storeu_ps(p.add(i), mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), inv));
-        i += 16;
-    }
+    map_vectors(p, p, n, |v, _| _mm512_mul_ps(v, inv));
 }
 
 pub fn gelu_tanh(x: &mut [f32]) {
@@ -492,16 +512,11 @@ unsafe fn gelu_impl(x: &mut [f32]) {
     let (n, p) = (x.len(), x.as_mut_ptr());
     let (c, a, m2, one) =
         (_mm512_set1_ps(0.797_884_6), _mm512_set1_ps(0.044715), _mm512_set1_ps(-2.0), _mm512_set1_ps(1.0));
-    let mut i = 0;
-    while i < n {
-        let mask = tail_mask16(n - i);
-        let u = _mm512_maskz_loadu_ps(mask, p.add(i));
+    map_vectors(p, p, n, |u, _| {
         let cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(a, u), u), u);
         let y = _mm512_mul_ps(c, _mm512_add_ps(u, cube));
-        let g = _mm512_div_ps(u, _mm512_add_ps(one, exp(_mm512_mul_ps(m2, y))));
-        _mm512_mask_storeu_ps(p.add(i), mask, g);
-        i += 16;
-    }
+        _mm512_div_ps(u, _mm512_add_ps(one, exp(_mm512_mul_ps(m2, y))))
+    });
 }
 
 /// XOR of all 64-byte blocks of `buf` (whole blocks only): touches every byte, for bandwidth tests.
@@ -542,12 +557,7 @@ pub fn round_bf16_slice(x: &mut [f32]) {
 #[target_feature(enable = "avx512f")]
 unsafe fn round_bf16_slice_impl(x: &mut [f32]) {
     let (n, p) = (x.len(), x.as_mut_ptr());
-    let mut i = 0;
-    while i < n {
-        let mask = tail_mask16(n - i);
-        _mm512_mask_storeu_ps(p.add(i), mask, round_bf16(_mm512_maskz_loadu_ps(mask, p.add(i))));
-        i += 16;
-    }
+    map_vectors(p, p, n, |v, _| round_bf16(v));
 }
 
 /// Final-logit softcapping `c·tanh(x/c)` in place; with `bf16`, each of the reference's three steps
@@ -569,10 +579,8 @@ unsafe fn softcap_impl(x: &mut [f32], cap: f32, bf16: bool) {
     // tanh y = y·(1 + y²·(c3 + y²·(c5 + ...))), Horner in y².
     const SERIES: [f32; 6] =
         [21844.0 / 6081075.0, -1382.0 / 155925.0, 62.0 / 2835.0, -17.0 / 315.0, 2.0 / 15.0, -1.0 / 3.0];
-    let mut i = 0;
-    while i < n {
-        let mask = tail_mask16(n - i);
-        let y = r(_mm512_div_ps(_mm512_maskz_loadu_ps(mask, p.add(i)), c));
+    map_vectors(p, p, n, |v, _| {
+        let y = r(_mm512_div_ps(v, c));
         let e = exp(_mm512_mul_ps(two, y));
         let big = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
         let y2 = _mm512_mul_ps(y, y);
@@ -584,9 +592,8 @@ unsafe fn softcap_impl(x: &mut [f32], cap: f32, bf16: bool) {
         let abs = _mm512_abs_ps(y);
         let is_small = _mm512_cmp_ps_mask(abs, _mm512_set1_ps(0.3), _CMP_LT_OQ);
         let t = r(_mm512_mask_blend_ps(is_small, big, small));
-        _mm512_mask_storeu_ps(p.add(i), mask, r(_mm512_mul_ps(t, c)));
-        i += 16;
-    }
+        r(_mm512_mul_ps(t, c))
+    });
 }
 
 /// `out[i, :] = Σ_t p[i, t] · v[t, cols]` (bf16 or f32 `v`; `out` is `[m, cols.len()]`): per output
