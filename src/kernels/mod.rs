@@ -501,6 +501,17 @@ pub fn softcap_with(isa: Isa, x: &mut [f32], cap: f32, dt: DType) {
     }
 }
 
+/// Subnormal values (magnitude below 2^-126, f32::MIN_POSITIVE) set to zero, by their exponent bits
+/// (integer operations: no floating-point assist). Attention flushes its probabilities this way before
+/// weighting the values (docs/model.md, "Attention").
+pub fn flush_subnormals(x: &mut [f32]) {
+    for v in x.iter_mut() {
+        if v.to_bits() & 0x7f80_0000 == 0 {
+            *v = 0.0;
+        }
+    }
+}
+
 /// Softmax in place, f32. A row whose entries are all `-inf` stays all zero.
 pub fn softmax(x: &mut [f32]) {
     softmax_with(isa(), x)

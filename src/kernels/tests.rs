@@ -567,3 +567,28 @@ fn weighted_rows_are_bit_exact_across_threads() {
         }
     }
 }
+
+#[test]
+fn flush_subnormals_zeroes_exactly_the_subnormals() {
+    let tiny = f32::MIN_POSITIVE;
+    let mut x = [
+        0.0,
+        -0.0,
+        tiny,
+        -tiny,
+        tiny * 0.5,
+        -tiny * 0.25,
+        f32::from_bits(1),
+        1e-30,
+        0.5,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ];
+    flush_subnormals(&mut x);
+    let want = [0.0, -0.0, tiny, -tiny, 0.0, 0.0, 0.0, 1e-30, 0.5, f32::INFINITY, f32::NEG_INFINITY];
+    for (i, (got, w)) in x.iter().zip(want).enumerate() {
+        assert!(got.to_bits() == w.to_bits() || (*got == 0.0 && w == 0.0), "element {i}: {got:e} vs {w:e}");
+    }
+    assert!(x[11].is_nan());
+}
