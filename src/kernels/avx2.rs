@@ -693,17 +693,35 @@ unsafe fn softmax_impl(x: &mut [f32]) {
         return;
     }
     let (mv, mut sum) = (_mm256_set1_ps(max), _mm256_setzero_ps());
+    // Subnormal exponentials and results are zero and never computed, as in `avx512::softmax`.
+    let (lo, safe) = (_mm256_set1_ps(-87.4), _mm256_set1_ps(-80.0));
     map_vectors(p, p, n, |v, i| {
         // The tail's missing lanes load as 0; as -inf they add nothing to the sum.
         let v = if i + 8 <= n { v } else { load(i) };
-        let e = exp(_mm256_sub_ps(v, mv));
+        let d = _mm256_sub_ps(v, mv);
+        let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(d, lo);
+        let e = flush8(_mm256_and_ps(keep, exp(_mm256_blendv_ps(safe, d, keep))));
         sum = _mm256_add_ps(sum, e);
         e
     });
     let s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps::<1>(sum));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let inv = _mm256_set1_ps(1.0 / _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s))));
-    map_vectors(p, p, n, |v, _| _mm256_mul_ps(v, inv));
+    let total = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    let inv = _mm256_set1_ps(1.0 / total);
+    let (up, floor) = (_mm256_set1_ps(2f32.powi(64)), _mm256_set1_ps(total * 2f32.powi(-63)));
+    map_vectors(p, p, n, |v, _| {
+        let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_mul_ps(v, up), floor);
+        flush8(_mm256_mul_ps(_mm256_and_ps(keep, v), inv))
+    });
+}
+
+/// `v` with its subnormal lanes set to zero (by the exponent bits: no floating-point operation).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn flush8(v: __m256) -> __m256 {
+    let exponent = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7f80_0000));
+    let zero_exp = _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256());
+    _mm256_castsi256_ps(_mm256_andnot_si256(zero_exp, _mm256_castps_si256(v)))
 }
 
 pub fn gelu_tanh(x: &mut [f32]) {

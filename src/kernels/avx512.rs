@@ -487,13 +487,34 @@ unsafe fn softmax_impl(x: &mut [f32]) {
         return;
     }
     let (mv, mut sum) = (_mm512_set1_ps(max), _mm512_setzero_ps());
+    // Subnormal exponentials and results are zero (`kernels::softmax`), and are never computed: an
+    // operation that reads or writes a subnormal takes a microcode assist on Intel. Every d below
+    // -87.4 has e^d < 2^-126, so those lanes compute e^-80 instead and are then cleared; the few just
+    // above are computed and cleared by their exponent bits.
+    let (lo, safe) = (_mm512_set1_ps(-87.4), _mm512_set1_ps(-80.0));
     map_vectors(p, p, n, |_, i| {
-        let e = exp(_mm512_sub_ps(load(i), mv));
+        let d = _mm512_sub_ps(load(i), mv);
+        let keep = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(d, lo);
+        let e = flush16(_mm512_maskz_mov_ps(keep, exp(_mm512_mask_blend_ps(keep, safe, d))));
         sum = _mm512_add_ps(sum, e);
         e
     });
-    let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(sum));
-    map_vectors(p, p, n, |v, _| _mm512_mul_ps(v, inv));
+    let total = _mm512_reduce_add_ps(sum);
+    let inv = _mm512_set1_ps(1.0 / total);
+    // Every e below 2^-127 · total gives e · inv < 2^-126 (inv is 1/total to half an ulp): those
+    // lanes multiply 0 instead. The test is e · 2^64 >= total · 2^-63, where both sides are normal.
+    let (up, floor) = (_mm512_set1_ps(2f32.powi(64)), _mm512_set1_ps(total * 2f32.powi(-63)));
+    map_vectors(p, p, n, |v, _| {
+        let keep = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_mul_ps(v, up), floor);
+        flush16(_mm512_mul_ps(_mm512_maskz_mov_ps(keep, v), inv))
+    });
+}
+
+/// `v` with its subnormal lanes set to zero (by the exponent bits: no floating-point operation).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn flush16(v: __m512) -> __m512 {
+    _mm512_maskz_mov_ps(_mm512_test_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32(0x7f80_0000)), v)
 }
 
 pub fn gelu_tanh(x: &mut [f32]) {

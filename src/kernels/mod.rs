@@ -512,7 +512,10 @@ pub fn flush_subnormals(x: &mut [f32]) {
     }
 }
 
-/// Softmax in place, f32. A row whose entries are all `-inf` stays all zero.
+/// Softmax in place, f32. A row whose entries are all `-inf` stays all zero. Exponentials and results
+/// below 2^-126 (subnormal) are zero, which moves the sum (at least 1) by less than n · 2^-126; the SIMD
+/// versions never compute them, since on Intel each operation on a subnormal takes a microcode assist
+/// (docs/numerics.md, "Subnormal probabilities").
 pub fn softmax(x: &mut [f32]) {
     softmax_with(isa(), x)
 }

@@ -55,13 +55,15 @@ pub fn softmax(x: &mut [f32]) {
         x.iter_mut().for_each(|v| *v = 0.0);
         return;
     }
+    // Subnormal exponentials and results are zero (`kernels::softmax`).
+    let flush = |v: f32| if v.is_subnormal() { 0.0 } else { v };
     let mut sum = 0.0;
     for v in x.iter_mut() {
-        *v = (*v - max).exp();
+        *v = flush((*v - max).exp());
         sum += *v;
     }
     let inv = 1.0 / sum;
-    x.iter_mut().for_each(|v| *v *= inv);
+    x.iter_mut().for_each(|v| *v = flush(*v * inv));
 }
 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {

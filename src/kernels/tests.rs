@@ -394,6 +394,32 @@ fn softmax_matches_reference() {
 }
 
 #[test]
+fn softmax_gives_no_subnormals() {
+    // Scores spread over [-120, 0] relative to the max: exponentials from 1 down past 2^-149, so every
+    // range (normal, subnormal, underflow to zero) and the band around -87.4 appear, in every lane.
+    for isa in std::iter::once(Isa::Scalar).chain(simd_isas()) {
+        for n in [1usize, 7, 16, 33, 200, 1000] {
+            let x: Vec<f32> = (0..n).map(|i| -(((i * 7919) % 1201) as f32) / 10.0).collect();
+            let mut got = x.clone();
+            softmax_with(isa, &mut got);
+            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f64> = x.iter().map(|&v| ((v - max) as f64).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for (i, &g) in got.iter().enumerate() {
+                let want = e[i] / sum;
+                assert!(!g.is_subnormal(), "{isa} n={n} i={i}: subnormal {g:e}");
+                // Clearly normal results survive; clearly subnormal ones are zero.
+                if want >= 2.0 * f32::MIN_POSITIVE as f64 {
+                    assert!((g as f64 - want).abs() <= 1e-6 * want, "{isa} n={n} i={i}: {g:e} vs {want:e}");
+                } else if want < 0.5 * f32::MIN_POSITIVE as f64 {
+                    assert_eq!(g, 0.0, "{isa} n={n} i={i}: {g:e} for {want:e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn gelu_matches_reference() {
     let mut rng = Rng(8);
     for isa in simd_isas() {
