@@ -699,7 +699,7 @@ unsafe fn softmax_impl(x: &mut [f32]) {
         // The tail's missing lanes load as 0; as -inf they add nothing to the sum.
         let v = if i + 8 <= n { v } else { load(i) };
         let d = _mm256_sub_ps(v, mv);
-        let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(d, lo);
+        let keep = _mm256_cmp_ps::<_CMP_NLT_UQ>(d, lo);
         let e = flush8(_mm256_and_ps(keep, exp(_mm256_blendv_ps(safe, d, keep))));
         sum = _mm256_add_ps(sum, e);
         e
@@ -710,7 +710,7 @@ unsafe fn softmax_impl(x: &mut [f32]) {
     let inv = _mm256_set1_ps(1.0 / total);
     let (up, floor) = (_mm256_set1_ps(2f32.powi(64)), _mm256_set1_ps(total * 2f32.powi(-63)));
     map_vectors(p, p, n, |v, _| {
-        let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_mul_ps(v, up), floor);
+        let keep = _mm256_cmp_ps::<_CMP_NLT_UQ>(_mm256_mul_ps(v, up), floor);
         flush8(_mm256_mul_ps(_mm256_and_ps(keep, v), inv))
     });
 }

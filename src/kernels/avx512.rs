@@ -490,11 +490,12 @@ unsafe fn softmax_impl(x: &mut [f32]) {
     // Subnormal exponentials and results are zero (`kernels::softmax`), and are never computed: an
     // operation that reads or writes a subnormal takes a microcode assist on Intel. Every d below
     // -87.4 has e^d < 2^-126, so those lanes compute e^-80 instead and are then cleared; the few just
-    // above are computed and cleared by their exponent bits.
+    // above are computed and cleared by their exponent bits. (The tests are "not less than", so that
+    // a NaN still makes every result NaN.)
     let (lo, safe) = (_mm512_set1_ps(-87.4), _mm512_set1_ps(-80.0));
     map_vectors(p, p, n, |_, i| {
         let d = _mm512_sub_ps(load(i), mv);
-        let keep = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(d, lo);
+        let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(d, lo);
         let e = flush16(_mm512_maskz_mov_ps(keep, exp(_mm512_mask_blend_ps(keep, safe, d))));
         sum = _mm512_add_ps(sum, e);
         e
@@ -505,7 +506,7 @@ unsafe fn softmax_impl(x: &mut [f32]) {
     // lanes multiply 0 instead. The test is e · 2^64 >= total · 2^-63, where both sides are normal.
     let (up, floor) = (_mm512_set1_ps(2f32.powi(64)), _mm512_set1_ps(total * 2f32.powi(-63)));
     map_vectors(p, p, n, |v, _| {
-        let keep = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_mul_ps(v, up), floor);
+        let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(_mm512_mul_ps(v, up), floor);
         flush16(_mm512_mul_ps(_mm512_maskz_mov_ps(keep, v), inv))
     });
 }
