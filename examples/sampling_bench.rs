@@ -17,6 +17,8 @@ fn main() {
             SamplingParams { temperature: 1.0, top_k: 64, top_p: 0.95, ..SamplingParams::default() },
         ),
         ("t=1 rep 1.1", SamplingParams { temperature: 1.0, repeat_penalty: 1.1, ..SamplingParams::default() }),
+        // Logits / T spread over 200: most of exp(l - max) is below 2^-126 (subnormal) or underflows.
+        ("t=0.1", SamplingParams { temperature: 0.1, ..SamplingParams::default() }),
     ] {
         let mut s = Sampler::new(p);
         let hist: Vec<u32> = (0..500).collect();

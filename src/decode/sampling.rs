@@ -458,7 +458,24 @@ fn shifted_exp(l: f32, m: f32) -> f32 {
             0.0
         }
     } else {
-        (l - m).exp()
+        let e = (l - m).exp();
+        // As `kernels::exp_shifted`: below 2^-126 (subnormal) counts as zero.
+        if e.is_subnormal() {
+            0.0
+        } else {
+            e
+        }
+    }
+}
+
+/// A probability computed in f64, as f32, with values below 2^-126 zero: they would be f32
+/// subnormals, each of which costs a microcode assist on Intel wherever it is read or written.
+#[inline]
+fn prob_f32(p: f64) -> f32 {
+    if p < f32::MIN_POSITIVE as f64 {
+        0.0
+    } else {
+        p as f32
     }
 }
 
@@ -480,7 +497,7 @@ fn softmax_into(l: &[f32], out: &mut [f32]) {
     }
     let inv = 1.0 / out.iter().map(|&e| e as f64).sum::<f64>();
     for o in out.iter_mut() {
-        *o = (*o as f64 * inv) as f32;
+        *o = prob_f32(*o as f64 * inv);
     }
 }
 
@@ -491,7 +508,7 @@ fn softmax_over(l: &[f32], ids: &[u32]) -> Vec<f32> {
     let mut w = shifted_exps(l, ids, m);
     let z: f64 = w.iter().map(|&e| e as f64).sum();
     for e in w.iter_mut() {
-        *e = (*e as f64 / z) as f32;
+        *e = prob_f32(*e as f64 / z);
     }
     w
 }
@@ -664,7 +681,7 @@ fn min_p_filter(logits: &mut [f32], cands: Option<&[u32]>, min_p: f32) -> Vec<u3
     let mut kept = Vec::with_capacity(ids.len());
     for i in ids {
         let l = &mut logits[i as usize];
-        let p = (shifted_exp(*l, m) as f64 / z) as f32;
+        let p = prob_f32(shifted_exp(*l, m) as f64 / z);
         if p < thr && i != best {
             *l = f32::NEG_INFINITY;
         } else {
@@ -692,6 +709,26 @@ mod tests {
 
     fn kept(l: &[f32]) -> Vec<usize> {
         (0..l.len()).filter(|&i| l[i] > NINF).collect()
+    }
+
+    #[test]
+    fn low_temperature_probabilities_have_no_subnormals() {
+        // Logits spread over 20 at temperature 0.1: most probabilities fall below 2^-126. They are
+        // zero, for the whole-vocabulary pass and the restricted ones alike (top-p, min-p), and the
+        // rest still sums to 1.
+        let logits: Vec<f32> = (0..5000).map(|i| ((i * 7919) % 2001) as f32 / 100.0 - 10.0).collect();
+        for p in [
+            sampling(0.1),
+            SamplingParams { top_p: 0.999, ..sampling(0.1) },
+            SamplingParams { min_p: 1e-30, ..sampling(0.1) },
+            SamplingParams { top_k: 3000, ..sampling(0.1) },
+        ] {
+            let probs = Sampler::new(p.clone()).probs(&logits, &[]);
+            assert!(probs.iter().all(|v| !v.is_subnormal()), "{p:?}");
+            assert!(probs.iter().filter(|&&v| v == 0.0).count() > 2000, "{p:?}");
+            let total: f64 = probs.iter().map(|&v| v as f64).sum();
+            assert!((total - 1.0).abs() < 1e-5, "{p:?}: {total}");
+        }
     }
 
     // ---- processors -------------------------------------------------------------------------

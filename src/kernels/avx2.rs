@@ -694,13 +694,10 @@ unsafe fn softmax_impl(x: &mut [f32]) {
     }
     let (mv, mut sum) = (_mm256_set1_ps(max), _mm256_setzero_ps());
     // Subnormal exponentials and results are zero and never computed, as in `avx512::softmax`.
-    let (lo, safe) = (_mm256_set1_ps(-87.4), _mm256_set1_ps(-80.0));
     map_vectors(p, p, n, |v, i| {
         // The tail's missing lanes load as 0; as -inf they add nothing to the sum.
         let v = if i + 8 <= n { v } else { load(i) };
-        let d = _mm256_sub_ps(v, mv);
-        let keep = _mm256_cmp_ps::<_CMP_NLT_UQ>(d, lo);
-        let e = flush8(_mm256_and_ps(keep, exp(_mm256_blendv_ps(safe, d, keep))));
+        let e = exp_normal(_mm256_sub_ps(v, mv));
         sum = _mm256_add_ps(sum, e);
         e
     });
@@ -713,6 +710,14 @@ unsafe fn softmax_impl(x: &mut [f32]) {
         let keep = _mm256_cmp_ps::<_CMP_NLT_UQ>(_mm256_mul_ps(v, up), floor);
         flush8(_mm256_mul_ps(_mm256_and_ps(keep, v), inv))
     });
+}
+
+/// `exp(d)` with results below 2^-126 zero and never computed, as `avx512::exp_normal`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn exp_normal(d: __m256) -> __m256 {
+    let keep = _mm256_cmp_ps::<_CMP_NLT_UQ>(d, _mm256_set1_ps(-87.4));
+    flush8(_mm256_and_ps(keep, exp(_mm256_blendv_ps(_mm256_set1_ps(-80.0), d, keep))))
 }
 
 /// `v` with its subnormal lanes set to zero (by the exponent bits: no floating-point operation).
@@ -927,6 +932,6 @@ pub fn exp_shifted(x: &[f32], m: f32, out: &mut [f32]) {
 unsafe fn exp_shifted_impl(x: &[f32], m: f32, out: &mut [f32]) {
     let mv = _mm256_set1_ps(m);
     for (xs, os) in x.chunks_exact(8).zip(out.chunks_exact_mut(8)) {
-        _mm256_storeu_ps(os.as_mut_ptr(), exp(_mm256_sub_ps(_mm256_loadu_ps(xs.as_ptr()), mv)));
+        _mm256_storeu_ps(os.as_mut_ptr(), exp_normal(_mm256_sub_ps(_mm256_loadu_ps(xs.as_ptr()), mv)));
     }
 }

@@ -488,15 +488,9 @@ unsafe fn softmax_impl(x: &mut [f32]) {
     }
     let (mv, mut sum) = (_mm512_set1_ps(max), _mm512_setzero_ps());
     // Subnormal exponentials and results are zero (`kernels::softmax`), and are never computed: an
-    // operation that reads or writes a subnormal takes a microcode assist on Intel. Every d below
-    // -87.4 has e^d < 2^-126, so those lanes compute e^-80 instead and are then cleared; the few just
-    // above are computed and cleared by their exponent bits. (The tests are "not less than", so that
-    // a NaN still makes every result NaN.)
-    let (lo, safe) = (_mm512_set1_ps(-87.4), _mm512_set1_ps(-80.0));
+    // operation that reads or writes a subnormal takes a microcode assist on Intel.
     map_vectors(p, p, n, |_, i| {
-        let d = _mm512_sub_ps(load(i), mv);
-        let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(d, lo);
-        let e = flush16(_mm512_maskz_mov_ps(keep, exp(_mm512_mask_blend_ps(keep, safe, d))));
+        let e = exp_normal(_mm512_sub_ps(load(i), mv));
         sum = _mm512_add_ps(sum, e);
         e
     });
@@ -509,6 +503,16 @@ unsafe fn softmax_impl(x: &mut [f32]) {
         let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(_mm512_mul_ps(v, up), floor);
         flush16(_mm512_mul_ps(_mm512_maskz_mov_ps(keep, v), inv))
     });
+}
+
+/// `exp(d)`, with results below 2^-126 (subnormal) zero and never computed: every d below -87.4 has
+/// e^d < 2^-126, so those lanes compute e^-80 instead and are then cleared; the few just above are
+/// computed and cleared by their exponent bits. The test is "not less than", so NaN stays NaN.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+fn exp_normal(d: __m512) -> __m512 {
+    let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(d, _mm512_set1_ps(-87.4));
+    flush16(_mm512_maskz_mov_ps(keep, exp(_mm512_mask_blend_ps(keep, _mm512_set1_ps(-80.0), d))))
 }
 
 /// `v` with its subnormal lanes set to zero (by the exponent bits: no floating-point operation).
@@ -724,13 +728,6 @@ pub fn exp_shifted(x: &[f32], m: f32, out: &mut [f32]) {
 /// The CPU must have AVX-512 F and FMA; `x` and `out` must have the same length.
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn exp_shifted_impl(x: &[f32], m: f32, out: &mut [f32]) {
-    let (n, px, po) = (x.len(), x.as_ptr(), out.as_mut_ptr());
-    let (mv, ninf) = (_mm512_set1_ps(m), _mm512_set1_ps(f32::NEG_INFINITY));
-    let mut i = 0;
-    while i < n {
-        let mask = tail_mask16(n - i);
-        let e = exp(_mm512_sub_ps(_mm512_mask_loadu_ps(ninf, mask, px.add(i)), mv));
-        _mm512_mask_storeu_ps(po.add(i), mask, e);
-        i += 16;
-    }
+    let mv = _mm512_set1_ps(m);
+    map_vectors(x.as_ptr(), out.as_mut_ptr(), x.len(), |v, _| exp_normal(_mm512_sub_ps(v, mv)));
 }

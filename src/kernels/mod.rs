@@ -561,7 +561,9 @@ pub fn axpy_with(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// `out[i] = exp(x[i] - m)` (`-inf` gives 0): softmax numerators over a whole vocabulary.
+/// `out[i] = exp(x[i] - m)` (`-inf` gives 0): softmax numerators over a whole vocabulary. Results below
+/// 2^-126 (subnormal) are zero, as in [`softmax`]: at a low temperature most of a vocabulary's
+/// numerators are, and computing them cost a microcode assist each on Intel.
 pub fn exp_shifted(x: &[f32], m: f32, out: &mut [f32]) {
     exp_shifted_with(isa(), x, m, out)
 }

@@ -103,6 +103,7 @@ pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, cols: Range<usize>, out: &m
 
 pub fn exp_shifted(x: &[f32], m: f32, out: &mut [f32]) {
     for (o, &v) in out.iter_mut().zip(x) {
-        *o = (v - m).exp();
+        let e = (v - m).exp();
+        *o = if e.is_subnormal() { 0.0 } else { e };
     }
 }

@@ -394,7 +394,7 @@ fn softmax_matches_reference() {
 }
 
 #[test]
-fn softmax_gives_no_subnormals() {
+fn softmax_and_exp_shifted_give_no_subnormals() {
     // Scores spread over [-120, 0] relative to the max: exponentials from 1 down past 2^-149, so every
     // range (normal, subnormal, underflow to zero) and the band around -87.4 appear, in every lane.
     for isa in std::iter::once(Isa::Scalar).chain(simd_isas()) {
@@ -414,6 +414,19 @@ fn softmax_gives_no_subnormals() {
                 } else if want < 0.5 * f32::MIN_POSITIVE as f64 {
                     assert_eq!(g, 0.0, "{isa} n={n} i={i}: {g:e} for {want:e}");
                 }
+            }
+        }
+        // exp_shifted, the sampler's numerators, follows the same rule.
+        let x: Vec<f32> = (0..1000).map(|i| -(((i * 7919) % 1201) as f32) / 10.0).collect();
+        let mut got = vec![f32::NAN; x.len()];
+        exp_shifted_with(isa, &x, 0.0, &mut got);
+        for (&v, &g) in x.iter().zip(&got) {
+            let want = (v as f64).exp();
+            assert!(!g.is_subnormal(), "{isa} exp_shifted({v}) = {g:e}");
+            if want >= 2.0 * f32::MIN_POSITIVE as f64 {
+                assert!((g as f64 - want).abs() <= 1e-6 * want, "{isa} exp_shifted({v}) = {g:e}, want {want:e}");
+            } else if want < 0.5 * f32::MIN_POSITIVE as f64 {
+                assert_eq!(g, 0.0, "{isa} exp_shifted({v}) = {g:e}");
             }
         }
         // A NaN score is not cleared with the tiny ones: every result is NaN, as before.
