@@ -458,13 +458,8 @@ fn shifted_exp(l: f32, m: f32) -> f32 {
             0.0
         }
     } else {
-        let e = (l - m).exp();
         // As `kernels::exp_shifted`: below 2^-126 (subnormal) counts as zero.
-        if e.is_subnormal() {
-            0.0
-        } else {
-            e
-        }
+        crate::kernels::flush_subnormal((l - m).exp())
     }
 }
 

@@ -501,14 +501,15 @@ pub fn softcap_with(isa: Isa, x: &mut [f32], cap: f32, dt: DType) {
     }
 }
 
-/// Subnormal values (magnitude below 2^-126, f32::MIN_POSITIVE) set to zero, by their exponent bits
-/// (integer operations: no floating-point assist). Attention flushes its probabilities this way before
-/// weighting the values (docs/model.md, "Attention").
-pub fn flush_subnormals(x: &mut [f32]) {
-    for v in x.iter_mut() {
-        if v.to_bits() & 0x7f80_0000 == 0 {
-            *v = 0.0;
-        }
+/// `v`, or zero if it is subnormal (magnitude below 2^-126, f32::MIN_POSITIVE), decided by its exponent
+/// bits (no floating-point operation, so no assist): the scalar form of the rule the softmax and the
+/// sampler's numerators follow (docs/numerics.md, "Subnormal probabilities").
+#[inline]
+pub fn flush_subnormal(v: f32) -> f32 {
+    if v.to_bits() & 0x7f80_0000 == 0 {
+        0.0
+    } else {
+        v
     }
 }
 

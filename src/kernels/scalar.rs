@@ -56,14 +56,13 @@ pub fn softmax(x: &mut [f32]) {
         return;
     }
     // Subnormal exponentials and results are zero (`kernels::softmax`).
-    let flush = |v: f32| if v.is_subnormal() { 0.0 } else { v };
     let mut sum = 0.0;
     for v in x.iter_mut() {
-        *v = flush((*v - max).exp());
+        *v = super::flush_subnormal((*v - max).exp());
         sum += *v;
     }
     let inv = 1.0 / sum;
-    x.iter_mut().for_each(|v| *v = flush(*v * inv));
+    x.iter_mut().for_each(|v| *v = super::flush_subnormal(*v * inv));
 }
 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -103,7 +102,6 @@ pub fn weighted_rows(p: &[f32], m: usize, v: MatRef, cols: Range<usize>, out: &m
 
 pub fn exp_shifted(x: &[f32], m: f32, out: &mut [f32]) {
     for (o, &v) in out.iter_mut().zip(x) {
-        let e = (v - m).exp();
-        *o = if e.is_subnormal() { 0.0 } else { e };
+        *o = super::flush_subnormal((v - m).exp());
     }
 }

@@ -142,15 +142,14 @@ pub fn attend(
                 let p = &mut p[a..b];
                 if !p.is_empty() {
                     dt.round_slice(p);
+                    // No probability comes out subnormal (below 2^-126 it is zero), and bf16 rounding
+                    // keeps a normal one normal: `p · v` takes no microcode assist on Intel
+                    // (docs/numerics.md, "Subnormal probabilities").
                     kernels::softmax(p);
                     dt.round_slice(p);
                 }
             }
         }
-        // Probabilities below 2^-126 count as zero (docs/model.md, "Attention"): as subnormal inputs
-        // each FMA of the values' sum took a microcode assist, which made a layer whose attention is
-        // sharp take 20x as long, and dropping them changes no sum that is not itself below ~1e-30.
-        kernels::flush_subnormals(&mut s);
         kernels::weighted_rows(&s, m, kv.values(g, lo..hi), &mut o);
         dt.round_slice(&mut o);
         o
