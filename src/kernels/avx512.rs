@@ -141,6 +141,21 @@ unsafe fn map_vectors(x: *const f32, out: *mut f32, n: usize, mut f: impl FnMut(
     }
 }
 
+/// The 16 values of `p` from `i` (of `n`): a plain load for a whole vector, a masked one (zeros past
+/// `n`) for the tail, as `map_vectors` reads its own input.
+///
+/// # Safety
+/// Needs AVX-512 F; `p` covers `n` values and `i < n`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load_upto(p: *const f32, i: usize, n: usize) -> __m512 {
+    if i + 16 <= n {
+        _mm512_loadu_ps(p.add(i))
+    } else {
+        _mm512_maskz_loadu_ps(tail_mask16(n - i), p.add(i))
+    }
+}
+
 /// `x` rounded to the nearest bf16 (ties to even, NaN kept quiet), still as f32 bits: the vector
 /// form of `half::bf16::from_f32`, so the SIMD paths see exactly the activations the scalar
 /// reference does.
@@ -396,11 +411,7 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 unsafe fn axpy_impl(a: f32, x: &[f32], y: &mut [f32]) {
     let (n, px, py) = (x.len(), x.as_ptr(), y.as_mut_ptr());
     let av = _mm512_set1_ps(a);
-    map_vectors(py, py, n, |y, i| {
-        let x =
-            if i + 16 <= n { _mm512_loadu_ps(px.add(i)) } else { _mm512_maskz_loadu_ps(tail_mask16(n - i), px.add(i)) };
-        _mm512_fmadd_ps(av, x, y)
-    });
+    map_vectors(py, py, n, |y, i| _mm512_fmadd_ps(av, load_upto(px, i, n), y));
 }
 
 pub fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
@@ -422,12 +433,7 @@ unsafe fn rms_norm_impl(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32])
         Some(w) => {
             let pw = w.as_ptr();
             map_vectors(x.as_ptr(), out.as_mut_ptr(), n, |v, i| {
-                let wv = if i + 16 <= n {
-                    _mm512_loadu_ps(pw.add(i))
-                } else {
-                    _mm512_maskz_loadu_ps(tail_mask16(n - i), pw.add(i))
-                };
-                _mm512_mul_ps(_mm512_mul_ps(v, inv), wv)
+                _mm512_mul_ps(_mm512_mul_ps(v, inv), load_upto(pw, i, n))
             })
         }
     }
