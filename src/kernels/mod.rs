@@ -649,16 +649,22 @@ pub fn argmax(x: &[f32]) -> usize {
 }
 
 /// `out[i] = Σ_k x[k] · w[ids[i], k]`: one input row against selected weight rows (the centroid head's
-/// candidates), each result bit-identical to that row's entry of a full `matmul`. With AVX512_BF16 or
-/// AVX2 and bf16 weights the rows are read where they are stored, by the kernel's one-row path; otherwise
-/// they are copied into one contiguous block and multiplied by `matmul`.
+/// candidates), each result bit-identical to that row's entry of a full `matmul`, except with AMX. With
+/// AVX512_BF16 or AVX2 and bf16 weights the rows are read where they are stored, by the kernel's one-row
+/// path; otherwise they are copied into one contiguous block and multiplied by `matmul`.
+///
+/// With AMX the bf16 rows are read in place by the AVX512_BF16 path too, so they get the bits of an
+/// `Isa::Avx512Bf16` matmul, not of the AMX one: a tile needs its rows at one stride, and copying the
+/// shipped drafter's 512 candidates (128 KiB) into a block took half of its head's time
+/// (docs/numerics.md, "AMX"). Nothing compares them with a full matmul: the candidates' logits are the
+/// drafter's whole distribution, the same for a row alone or in a batch.
 pub fn matmul_gather<'a>(x: &[f32], w: impl Into<Weight<'a>>, ids: &[u32], out: &mut [f32]) {
     let w = w.into();
     assert_eq!(ids.len(), out.len(), "matmul_gather output size");
     #[cfg(target_arch = "x86_64")]
     if let Weight::Float(f) = &w {
         match (isa(), f.dtype) {
-            (Isa::Avx512Bf16, DType::BF16) => return avx512bf16::gather(x, *f, ids, out, Split::Auto),
+            (Isa::Avx512Bf16 | Isa::Amx, DType::BF16) => return avx512bf16::gather(x, *f, ids, out, Split::Auto),
             (Isa::Avx2, DType::BF16) => return avx2::gather(x, *f, ids, out, Split::Auto),
             _ => {}
         }
