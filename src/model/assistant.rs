@@ -358,7 +358,7 @@ impl Assistant {
         let per = embed.rows() / num_c;
         let width = hd.len() / n;
         let mut order: Vec<u32> = Vec::with_capacity(num_c);
-        let mut out = Vec::with_capacity(n);
+        let mut rows = Vec::with_capacity(n);
         for (scores, x) in all_scores.chunks_exact(num_c).zip(hd.chunks_exact(width)) {
             // The top-k clusters (which of equal scores win is immaterial: ties at the boundary are
             // measure-zero for trained weights, and any choice is a valid draft under lossless verification).
@@ -371,12 +371,20 @@ impl Assistant {
             for &cl in &order[..c.top_k] {
                 ids.extend_from_slice(&c.ordering[cl as usize * per..(cl as usize + 1) * per]);
             }
+            rows.push((x, ids));
+        }
+        // Each row's candidates are its own gather (128 KiB of scattered rows for the shipped drafter):
+        // rows run side by side on the pool, each with the bits it gets alone.
+        let gather = |(x, ids): (&[f32], Vec<u32>)| {
             let mut logits = vec![0f32; ids.len()];
             kernels::matmul_gather(x, embed, &ids, &mut logits);
             dt.round_slice(&mut logits);
-            out.push(DraftLogits::Sparse { ids, logits });
+            DraftLogits::Sparse { ids, logits }
+        };
+        if n == 1 {
+            return rows.into_iter().map(gather).collect();
         }
-        out
+        kernels::par_map(rows, gather)
     }
 }
 
