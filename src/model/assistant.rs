@@ -374,17 +374,14 @@ impl Assistant {
             rows.push((x, ids));
         }
         // Each row's candidates are its own gather (128 KiB of scattered rows for the shipped drafter):
-        // rows run side by side on the pool, each with the bits it gets alone.
-        let gather = |(x, ids): (&[f32], Vec<u32>)| {
+        // rows run side by side on the pool, each with the bits it gets alone. A single row runs on this
+        // thread outside any region (`par_map` of one item), so its gather still splits over the pool.
+        kernels::par_map(rows, |(x, ids): (&[f32], Vec<u32>)| {
             let mut logits = vec![0f32; ids.len()];
             kernels::matmul_gather(x, embed, &ids, &mut logits);
             dt.round_slice(&mut logits);
             DraftLogits::Sparse { ids, logits }
-        };
-        if n == 1 {
-            return rows.into_iter().map(gather).collect();
-        }
-        kernels::par_map(rows, gather)
+        })
     }
 }
 
