@@ -79,92 +79,141 @@ pub(super) fn stream_rows(x: &[f32], w: MatRef, out: &mut [f32], split: Split) {
     super::tiling::for_row_chunks(w, 1, out, split, |wc, outs| {
         // SAFETY: the CPU has the features, asserted above; the panel covers K, and rows
         // 0..wc.rows of the chunk are in `wc.data`.
-        unsafe { dot_each::<1, 1>(xs.as_ptr(), wc.cols, wc.data.as_ptr(), 0..wc.rows, outs) }
+        unsafe {
+            dot_each::<1, 1, false>(xs.as_ptr(), wc.cols, wc.data.as_ptr(), 0..wc.rows, outs, 0, std::ptr::null())
+        }
     });
 }
 
-/// Activation rows per weight-row stream in `stream_many` (four were slower in a model's forward,
-/// see docs/numerics.md).
-const STREAM_GROUP: usize = 3;
-/// Longest K `stream_many` takes: a group's panel is then at most 12 KiB and stays in L1 beside the
-/// stream. At K = 6144 (E2B's down projection) streaming is slower than the tiles.
+/// Most activation rows per group in `stream_many`: 2 weight rows × 8 activation rows keep 16 chains
+/// in registers.
+const STREAM_GROUP: usize = 8;
+/// Most activation rows `stream_many` takes (two groups).
+const STREAM_MAX_M: usize = 2 * STREAM_GROUP;
+/// Longest K `stream_many` takes for two groups: a group's panel is then at most 32 KiB and stays in
+/// L1 beside the weights, while the second group's weights wait in L2.
 const STREAM_MAX_K: usize = 2048;
-/// Bytes of weight rows a chunk takes through every group before it moves on: the groups after the
-/// first read them from L2.
-const STREAM_BLOCK: usize = 512 << 10;
+/// Longest K for one group (E2B's down projection, K = 6144): its panel (up to 96 KiB) is read from
+/// L2, which still beats the tiles at 2-5 rows and matches them at 8. Longer rows go through the
+/// tiles, which chunk K.
+const STREAM_MAX_K_ONE: usize = 6144;
+/// How far ahead of the weight row being read `stream_many` asks for weights into L2 (the first
+/// group's pass): far enough to cover the memory's latency at the pace of 8 rows' products.
+const STREAM_AHEAD: usize = 16 << 10;
+/// With two groups, bytes of weight rows a chunk takes through both before it moves on: the second
+/// group reads them from L2.
+const STREAM_BLOCK: usize = 256 << 10;
 
 /// Whether `m > 1` activation rows over the bf16 matrix `w` go through `stream_many`: on Zen 4
-/// (`streams_rows`) for 2 to 6 rows (two groups) and K up to `STREAM_MAX_K`. See docs/numerics.md, "A
-/// few bf16 rows on Zen 4".
+/// (`streams_rows`) for 2 to `STREAM_GROUP` rows with K up to `STREAM_MAX_K_ONE`, and up to
+/// `STREAM_MAX_M` rows with K up to `STREAM_MAX_K`. See docs/numerics.md,
+/// "A few bf16 rows on Zen 4".
 fn streams_many(m: usize, w: &MatRef) -> bool {
-    (2..=2 * STREAM_GROUP).contains(&m) && w.cols <= STREAM_MAX_K && streams_rows()
+    let k_max = if m <= STREAM_GROUP { STREAM_MAX_K_ONE } else { STREAM_MAX_K };
+    (2..=STREAM_MAX_M).contains(&m) && w.cols <= k_max && streams_rows()
 }
 
-/// `out = x · wᵀ` for a few activation rows, a weight row at a time like `stream_rows`: each row
-/// group of up to `STREAM_GROUP` keeps one `vdpbf16ps` chain per activation row against the one
-/// stream of weights, and a chunk's weight rows run through all groups a `STREAM_BLOCK` at a time.
-/// Every output gets the bits of the tile kernel. Called by `matmul` where `streams_many` says so;
-/// the tests call it on every CPU with AVX512_BF16.
+/// Group `g` of `m` activation rows cut into `m.div_ceil(STREAM_GROUP)` groups of sizes as equal as
+/// they come: its first row and its size.
+fn stream_group(m: usize, g: usize) -> (usize, usize) {
+    let n = m.div_ceil(STREAM_GROUP);
+    let (base, extra) = (m / n, m % n);
+    (g * base + g.min(extra), base + usize::from(g < extra))
+}
+
+/// `out = x · wᵀ` for a few activation rows, two weight rows at a time, every activation row of a
+/// group against one load of the weights. The first group's pass asks for the weights
+/// `STREAM_AHEAD` bytes ahead into L2 (`prefetcht1`), one line per line it reads, so the memory
+/// keeps streaming while the products run: on Zen 4 the hardware's prefetcher alone stalls once a
+/// core is busy computing, and 8 rows then cost twice one row instead of about the same. A second
+/// group reads a `STREAM_BLOCK` of weight rows from L2 after the first. Every output gets the bits
+/// of the tile kernel. Called by `matmul` where `streams_many` says so; the tests call it on every
+/// CPU with AVX512_BF16.
 pub(super) fn stream_many(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
     assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
     assert!(w.dtype == DType::BF16 && x.len() == m * w.cols && out.len() == m * w.rows, "stream_many shapes");
+    assert!((1..=STREAM_MAX_M).contains(&m), "stream_many takes 1 to {STREAM_MAX_M} rows");
+    let groups = m.div_ceil(STREAM_GROUP);
+    // Panels of the first group's size: with at most two groups (the first no smaller), the second
+    // group's panel is what is left after the first.
+    let (_, first) = stream_group(m, 0);
     // SAFETY: the CPU has the features, asserted above.
-    let xp = pack_panels(x, m, w.cols, 32, STREAM_GROUP, |src, dst| unsafe { pack_bf16(src, dst) });
+    let xp = pack_panels(x, m, w.cols, 32, first, |src, dst| unsafe { pack_bf16(src, dst) });
     let (xs, kp) = (xp.data(), xp.kp);
-    let block = (STREAM_BLOCK / (w.cols * 2).max(1)).max(1);
+    let block = if groups == 1 { usize::MAX } else { (STREAM_BLOCK / (w.cols * 2).max(1)).max(2) };
     super::tiling::for_row_chunks(w, m, out, split, |wc, outs| {
         let (k, p) = (wc.cols, wc.data.as_ptr());
-        for i0 in (0..wc.rows).step_by(block) {
-            let rows = i0..wc.rows.min(i0 + block);
-            for g0 in (0..m).step_by(STREAM_GROUP) {
-                let g = STREAM_GROUP.min(m - g0);
-                let (x, o) = (xs[g0 * kp..].as_ptr(), &mut outs[g0..g0 + g]);
+        let end = p.wrapping_add(wc.rows * k * 2);
+        for i0 in (0..wc.rows).step_by(block.min(wc.rows.max(1))) {
+            let rows = i0..wc.rows.min(i0.saturating_add(block));
+            for g in 0..groups {
+                let (g0, c) = stream_group(m, g);
+                let x = xs[g0 * kp..].as_ptr();
+                let o = &mut outs[g0..g0 + c];
                 let r = rows.clone();
-                // SAFETY: as above; the group's panel of `g` rows covers K, and the chunk's rows
-                // are in `wc.data`.
-                unsafe {
-                    // The first group streams from memory, where one weight row at a time is
-                    // fastest; the second reads L2, where one or two chains would wait on
-                    // `vdpbf16ps`'s latency, so it takes several weight rows at once.
-                    match (g0 == 0, g) {
-                        (true, 1) => dot_each::<1, 1>(x, k, p, r, o),
-                        (true, 2) => dot_each::<1, 2>(x, k, p, r, o),
-                        (false, 1) => dot_each::<4, 1>(x, k, p, r, o),
-                        (false, 2) => dot_each::<2, 2>(x, k, p, r, o),
-                        (_, _) => dot_each::<1, 3>(x, k, p, r, o),
-                    }
+                macro_rules! go {
+                    ($($c:literal)*) => {
+                        match c {
+                            // SAFETY: as above; the group's panel of `c` rows covers K, and the
+                            // chunk's rows are in `wc.data` (`end` is its end).
+                            $($c => unsafe {
+                                if g == 0 {
+                                    dot_each::<2, $c, true>(x, k, p, r, o, STREAM_AHEAD, end)
+                                } else {
+                                    dot_each::<2, $c, false>(x, k, p, r, o, 0, end)
+                                }
+                            },)*
+                            _ => unreachable!("group size"),
+                        }
+                    };
                 }
+                go!(1 2 3 4 5 6 7 8);
             }
         }
     });
 }
 
 /// `outs[c][i] = x_c · w[i]` for the weight rows `i` in `rows` (of `k` bf16 each from `w`) and the
-/// `C` activation rows of the panel `x`, `R` weight rows at a time (more chains for weights in cache;
-/// the rows past a multiple of `R` go one at a time). Each output is one chain over K in 32-element
-/// steps from zero with the tile's masked tail, summed by `hsum4` (each vector on its own).
+/// `C` activation rows of the panel `x`, `R` weight rows at a time (the rows past a multiple of `R`
+/// go one at a time). With `AHEAD`, each 64 bytes of weights read asks for the line `ahead`
+/// bytes further into L2 (up to `end`). Each output is one chain over K in 32-element steps from
+/// zero with the tile's masked tail, summed by `hsum4` (each vector on its own).
 ///
 /// # Safety
 /// AVX-512 F/BW/VL + BF16; `x` is a `C`-row `pack_bf16` panel covering `k`; `w` points at
 /// `rows.end * k` readable bf16; `outs` has `C` slices of at least `rows.end` each.
 #[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
-unsafe fn dot_each<const R: usize, const C: usize>(
+unsafe fn dot_each<const R: usize, const C: usize, const AHEAD: bool>(
     x: *const u16,
     k: usize,
     w: *const u8,
     rows: std::ops::Range<usize>,
     outs: &mut [&mut [f32]],
+    ahead: usize,
+    end: *const u8,
 ) {
     debug_assert!(outs.len() == C && outs.iter().all(|o| o.len() >= rows.end));
     let z = _mm512_setzero_ps();
     let tail = k % 32;
     let mask = (1u32 << tail) - 1;
     let whole = rows.start + (rows.len() / R) * R;
+    // The next line to ask for: it runs `ahead` bytes in front of what has been read.
+    let mut pf = w.wrapping_add(rows.start * k * 2 + ahead);
     for i in (rows.start..whole).step_by(R) {
         let p: [*const u8; R] = std::array::from_fn(|r| w.add((i + r) * k * 2));
         let mut a = [[z; C]; R];
         let mut kk = 0;
         while kk + 32 <= k {
+            if AHEAD {
+                for _ in 0..R {
+                    if pf < end {
+                        // A prefetch has no architectural effect and never faults; the address is
+                        // inside the chunk.
+                        _mm_prefetch::<_MM_HINT_T1>(pf as *const i8);
+                    }
+                    pf = pf.wrapping_add(64);
+                }
+            }
             let xs = x.add(kk * C);
             for (p, a) in p.iter().zip(a.iter_mut()) {
                 let wv: __m512bh = std::mem::transmute(_mm512_loadu_si512(p.add(kk * 2) as *const _));
@@ -186,16 +235,18 @@ unsafe fn dot_each<const R: usize, const C: usize>(
             }
         }
         for (r, a) in a.iter().enumerate() {
-            let v = |c: usize| if c < C { a[c] } else { z };
-            let mut s = [0f32; 4];
-            _mm_storeu_ps(s.as_mut_ptr(), hsum4(v(0), v(1), v(2), v(3)));
-            for (c, o) in outs.iter_mut().enumerate() {
-                *o.get_unchecked_mut(i + r) = s[c];
+            for c0 in (0..C).step_by(4) {
+                let v = |c: usize| if c0 + c < C { a[c0 + c] } else { z };
+                let mut s = [0f32; 4];
+                _mm_storeu_ps(s.as_mut_ptr(), hsum4(v(0), v(1), v(2), v(3)));
+                for (c, o) in outs[c0..C.min(c0 + 4)].iter_mut().enumerate() {
+                    *o.get_unchecked_mut(i + r) = s[c];
+                }
             }
         }
     }
     if R > 1 && whole < rows.end {
-        dot_each::<1, C>(x, k, w, whole..rows.end, outs);
+        dot_each::<1, C, AHEAD>(x, k, w, whole..rows.end, outs, ahead, end);
     }
 }
 

@@ -247,11 +247,11 @@ fn streamed_rows_have_the_bits_of_the_tiles() {
     let same = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
     for (rows, cols) in [(203, 77), (97, 128), (101, 1530), (31, 3001), (800, 2600), (64, 32), (5, 31), (700, 384)] {
         let w = Weights::random(&mut rng, DType::BF16, rows, cols);
-        let m = 8;
+        let m = 16;
         let x = rng.vec(m * cols, 1.0);
         let mut tiled = vec![0f32; m * rows];
         avx512bf16::tiled(&x, m, w.mat(), &mut tiled, Split::Auto);
-        for i in 0..m {
+        for i in 0..8 {
             let xi = &x[i * cols..(i + 1) * cols];
             for (name, split) in splits {
                 let mut got = vec![f32::NAN; rows];
@@ -261,7 +261,10 @@ fn streamed_rows_have_the_bits_of_the_tiles() {
         }
         // A few rows at once, starting anywhere in the batch (a row's bits do not depend on its place
         // in a group or on the group's size).
-        for (first, n) in [(0, 2), (1, 3), (0, 4), (3, 5), (2, 6), (1, 7), (0, 8)] {
+        // One group of up to 8 and two groups (equal or not).
+        for (first, n) in
+            [(0, 1), (0, 2), (1, 3), (0, 4), (3, 5), (2, 6), (1, 7), (0, 8), (5, 9), (1, 12), (0, 15), (0, 16)]
+        {
             let xs = &x[first * cols..(first + n) * cols];
             for (name, split) in splits {
                 let mut got = vec![f32::NAN; n * rows];
