@@ -97,6 +97,9 @@ const STREAM_MAX_K: usize = 2048;
 /// L2, which still beats the tiles at 2-5 rows and matches them at 8. Longer rows go through the
 /// tiles, which chunk K.
 const STREAM_MAX_K_ONE: usize = 6144;
+/// Smallest matrix `stream_many` takes: smaller ones (attention's keys, a drafter's matrices)
+/// are in cache, where the tiles are faster.
+const STREAM_MIN_BYTES: usize = 256 << 10;
 /// How far ahead of the weight row being read `stream_many` asks for weights into L2 (the first
 /// group's pass): far enough to cover the memory's latency at the pace of 8 rows' products.
 const STREAM_AHEAD: usize = 16 << 10;
@@ -110,7 +113,7 @@ const STREAM_BLOCK: usize = 256 << 10;
 /// "A few bf16 rows on Zen 4".
 fn streams_many(m: usize, w: &MatRef) -> bool {
     let k_max = if m <= STREAM_GROUP { STREAM_MAX_K_ONE } else { STREAM_MAX_K };
-    (2..=STREAM_MAX_M).contains(&m) && w.cols <= k_max && streams_rows()
+    (2..=STREAM_MAX_M).contains(&m) && w.cols <= k_max && w.rows * w.cols * 2 >= STREAM_MIN_BYTES && streams_rows()
 }
 
 /// Group `g` of `m` activation rows cut into `m.div_ceil(STREAM_GROUP)` groups of sizes as equal as
