@@ -93,10 +93,10 @@ const STREAM_MAX_M: usize = 2 * STREAM_GROUP;
 /// Longest K `stream_many` takes for two groups: a group's panel is then at most 32 KiB and stays in
 /// L1 beside the weights, while the second group's weights wait in L2.
 const STREAM_MAX_K: usize = 2048;
-/// Longest K for one group (E2B's down projection, K = 6144): its panel (up to 96 KiB) is read from
-/// L2, which still beats the tiles at 2-5 rows and matches them at 8. Longer rows go through the
-/// tiles, which chunk K.
-const STREAM_MAX_K_ONE: usize = 6144;
+/// Longest K for one group (E2B's down projections, K = 6144 and 12,288 in its double-wide layers):
+/// its panel (up to 256 KiB) is read from L2, which still beats the tiles at 2-5 rows and matches
+/// them at 8. Longer rows go through the tiles, which chunk K.
+const STREAM_MAX_K_ONE: usize = 16384;
 /// Smallest matrix `stream_many` takes: smaller ones (attention's keys, a drafter's matrices)
 /// are in cache, where the tiles are faster.
 const STREAM_MIN_BYTES: usize = 256 << 10;

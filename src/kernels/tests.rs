@@ -245,7 +245,9 @@ fn streamed_rows_have_the_bits_of_the_tiles() {
     let pool3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
     let splits = [("inline", Split::Auto), ("chunks of 8", Split::Rows(8)), ("chunks of 60", Split::Rows(60))];
     let same = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
-    for (rows, cols) in [(203, 77), (97, 128), (101, 1530), (31, 3001), (800, 2600), (64, 32), (5, 31), (700, 384)] {
+    for (rows, cols) in
+        [(203, 77), (97, 128), (101, 1530), (31, 3001), (800, 2600), (64, 32), (5, 31), (700, 384), (90, 12_300)]
+    {
         let w = Weights::random(&mut rng, DType::BF16, rows, cols);
         let m = 16;
         let x = rng.vec(m * cols, 1.0);
