@@ -550,7 +550,7 @@ impl<'m> Scheduler<'m> {
         // Draft: one batched step per draft position, over the sequences still drafting that deep.
         let mut failed: Vec<(usize, String)> = Vec::new();
         if let Some(assistant) = &self.models.assistant {
-            loop {
+            for depth in 0.. {
                 let drafting: Vec<usize> = (0..self.active.len())
                     .filter(|&i| self.active[i].seq.phase() == Phase::Ready && self.active[i].seq.drafts_wanted() > 0)
                     .filter(|&i| !failed.iter().any(|f| f.0 == i))
@@ -571,7 +571,7 @@ impl<'m> Scheduler<'m> {
                     assistant.draft_batch(&self.models.target, &rows)
                 };
                 let elapsed = self.limits.clock.draft(drafting.len(), t.elapsed().as_secs_f64());
-                self.costs.record_draft(drafting.len(), elapsed);
+                self.costs.record_draft(drafting.len(), depth, elapsed);
                 let secs = elapsed / drafting.len() as f64;
                 report.draft_steps += 1;
                 for (&i, step) in drafting.iter().zip(steps) {

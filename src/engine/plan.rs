@@ -13,15 +13,49 @@ const MAX_BATCH: usize = 128;
 /// Measured step costs (exponential moving averages, seconds).
 #[derive(Clone, Debug)]
 pub struct Costs {
-    forward: Vec<Option<f64>>,
-    draft: Vec<Option<f64>>,
+    forward: Table,
+    /// The first draft step of a round, which finds the drafter's weights evicted by the target's
+    /// forward, and the steps after it, which find them in cache.
+    draft_first: Table,
+    draft_more: Table,
     /// What one prompt row adds to a step (a prefill chunk's rows skip the output head).
     prefill_row: Option<f64>,
 }
 
 impl Default for Costs {
     fn default() -> Self {
-        Costs { forward: vec![None; MAX_ROWS + 1], draft: vec![None; MAX_BATCH + 1], prefill_row: None }
+        Costs {
+            forward: Table::new(MAX_ROWS),
+            draft_first: Table::new(MAX_BATCH),
+            draft_more: Table::new(MAX_BATCH),
+            prefill_row: None,
+        }
+    }
+}
+
+/// Estimated times by row count (or batch size), with how many samples each has had.
+#[derive(Clone, Debug)]
+struct Table {
+    est: Vec<Option<f64>>,
+    samples: Vec<u32>,
+}
+
+impl Table {
+    fn new(max: usize) -> Self {
+        Table { est: vec![None; max + 1], samples: vec![0; max + 1] }
+    }
+
+    /// A count's first sample often carries one-time costs (buffers growing to a new row count, the
+    /// weights' first touch), and the planner may not choose that count again for many rounds: a
+    /// second sample below it replaces it. After that, `timing_ema`.
+    fn record(&mut self, i: usize, x: f64) {
+        if let (Some(slot), Some(n)) = (self.est.get_mut(i), self.samples.get_mut(i)) {
+            *slot = Some(match *slot {
+                Some(o) if *n == 1 && x < o => x,
+                old => timing_ema(old, x),
+            });
+            *n = n.saturating_add(1);
+        }
     }
 }
 
@@ -57,15 +91,13 @@ fn lookup_or_above(table: &[Option<f64>], n: usize) -> Option<f64> {
 
 impl Costs {
     pub fn record_forward(&mut self, rows: usize, seconds: f64) {
-        if let Some(slot) = self.forward.get_mut(rows) {
-            ema(slot, seconds);
-        }
+        self.forward.record(rows, seconds);
     }
 
-    pub fn record_draft(&mut self, batch: usize, seconds: f64) {
-        if let Some(slot) = self.draft.get_mut(batch) {
-            ema(slot, seconds);
-        }
+    /// A draft step for `batch` sequences at draft position `depth` (0: the round's first).
+    pub fn record_draft(&mut self, batch: usize, depth: usize, seconds: f64) {
+        let table = if depth == 0 { &mut self.draft_first } else { &mut self.draft_more };
+        table.record(batch, seconds);
     }
 
     /// A step of `prompt_rows` prefill rows next to `logit_rows` rows that compute logits: what the
@@ -75,7 +107,7 @@ impl Costs {
         if prompt_rows == 0 || logit_rows == 0 {
             return;
         }
-        if let Some(base) = lookup_or_above(&self.forward, logit_rows) {
+        if let Some(base) = lookup_or_above(&self.forward.est, logit_rows) {
             ema(&mut self.prefill_row, (seconds - base).max(0.0) / prompt_rows as f64);
         }
     }
@@ -88,7 +120,7 @@ impl Costs {
     /// `min` until a prompt row's cost is known (a first chunk of `max` rows could cost the running
     /// streams many steps' time at once).
     pub fn busy_prefill_rows(&self, logit_rows: usize, ratio: f64, min: usize, max: usize) -> usize {
-        let Some(base) = lookup_or_above(&self.forward, logit_rows) else {
+        let Some(base) = lookup_or_above(&self.forward.est, logit_rows) else {
             return 0;
         };
         let Some(row) = self.prefill_row else {
@@ -102,14 +134,19 @@ impl Costs {
     }
 
     fn forward(&self, rows: usize) -> Option<f64> {
-        lookup(&self.forward, rows)
+        lookup(&self.forward.est, rows)
     }
 
-    /// A draft step for `batch` sequences; below the smallest batch measured, that batch's cost (a
-    /// smaller batch costs no more), so that a scheduler that has only ever drafted for many sequences
-    /// at once can still plan.
-    fn draft(&self, batch: usize) -> Option<f64> {
-        lookup_or_above(&self.draft, batch)
+    /// A draft step for `batch` sequences at draft position `depth`; below the smallest batch
+    /// measured, that batch's cost (a smaller batch costs no more), so that a scheduler that has only
+    /// ever drafted for many sequences at once can still plan. Later positions not yet measured cost
+    /// what the first does.
+    fn draft(&self, depth: usize, batch: usize) -> Option<f64> {
+        let first = lookup_or_above(&self.draft_first.est, batch);
+        if depth == 0 {
+            return first;
+        }
+        lookup_or_above(&self.draft_more.est, batch).or(first)
     }
 }
 
@@ -147,7 +184,7 @@ pub fn choose(
     // The step without drafts must have been measured (or be reachable from smaller measured steps), and
     // some draft step.
     costs.forward(base_rows + cands.len())?;
-    costs.draft(1)?;
+    costs.draft(0, 1)?;
     let mut ks: Vec<usize> = cands.iter().map(|c| usize::from(c.probe && c.k_max > 0)).collect();
     let objective = |ks: &[usize]| -> f64 {
         let rows = base_rows + cands.len() + ks.iter().sum::<usize>();
@@ -156,7 +193,7 @@ pub fn choose(
         for j in 0..depth {
             let n = fixed_depth.get(j).copied().unwrap_or(0) + ks.iter().filter(|&&k| k > j).count();
             if n > 0 {
-                time += costs.draft(n).unwrap_or(f64::INFINITY);
+                time += costs.draft(j, n).unwrap_or(f64::INFINITY);
             }
         }
         let tokens = base_tokens + cands.iter().zip(ks).map(|(c, &k)| expected(&c.rates, k)).sum::<f64>();
@@ -215,7 +252,9 @@ mod tests {
             c.record_forward(r, base + per_row * r as f64);
         }
         for n in [1, 2, 4, 8, 16, 32] {
-            c.record_draft(n, draft + draft_row * n as f64);
+            for depth in [0, 1] {
+                c.record_draft(n, depth, draft + draft_row * n as f64);
+            }
         }
         c
     }
@@ -244,7 +283,7 @@ mod tests {
             c.record_forward(r, if r <= 16 { 0.040 } else { 0.040 + 0.0025 * (r - 16) as f64 });
         }
         for n in 1..=32 {
-            c.record_draft(n, 0.001 + 0.0001 * n as f64);
+            c.record_draft(n, 0, 0.001 + 0.0001 * n as f64);
         }
         let alone: usize = choose(&c, 0, 0.0, &[], &[cand(0.7)]).unwrap().iter().sum();
         let crowded: Vec<usize> = choose(&c, 0, 0.0, &[], &(0..16).map(|_| cand(0.7)).collect::<Vec<_>>()).unwrap();
@@ -274,14 +313,15 @@ mod tests {
         let mut c = Costs::default();
         c.record_forward(8, 0.050);
         c.record_forward(9, 0.051);
-        c.record_draft(8, 0.004);
+        c.record_draft(8, 0, 0.004);
         let ks = choose(&c, 0, 0.0, &[], &(0..8).map(|_| cand(0.01)).collect::<Vec<_>>()).unwrap();
         assert_eq!(ks, vec![0; 8]);
         assert!(
             choose(&c, 0, 0.0, &[], &(0..8).map(|_| cand(0.9)).collect::<Vec<_>>()).unwrap().iter().sum::<usize>() > 0
         );
-        assert_eq!(c.draft(1), Some(0.004));
-        assert_eq!(c.draft(8), Some(0.004));
+        assert_eq!(c.draft(0, 1), Some(0.004));
+        assert_eq!(c.draft(0, 8), Some(0.004));
+        assert_eq!(c.draft(3, 8), Some(0.004));
     }
 
     #[test]
@@ -329,9 +369,42 @@ mod tests {
         assert!(near(Some(six), 0.132), "{six}");
         assert!(near(c.forward(5), 0.120), "{:?}", c.forward(5));
         // Draft steps: a larger batch's cost bounds a smaller one's, measured or not.
-        c.record_draft(2, 0.010);
-        c.record_draft(1, 0.050);
-        assert!(near(c.draft(1), 0.010), "{:?}", c.draft(1));
+        c.record_draft(2, 0, 0.010);
+        c.record_draft(1, 0, 0.050);
+        assert!(near(c.draft(0, 1), 0.010), "{:?}", c.draft(0, 1));
+    }
+
+    #[test]
+    fn a_slow_first_sample_gives_way_to_the_next_and_later_draft_positions_have_their_own_cost() {
+        let mut c = Costs::default();
+        // The first 2-row step paid for growing its buffers: the second replaces it; the third is
+        // averaged as usual.
+        c.record_forward(2, 0.0070);
+        c.record_forward(2, 0.0050);
+        assert_eq!(c.forward(2), Some(0.0050));
+        c.record_forward(2, 0.0060);
+        assert!((c.forward(2).unwrap() - 0.0052).abs() < 1e-12);
+        // A higher second sample is averaged, not taken.
+        c.record_forward(3, 0.0050);
+        c.record_forward(3, 0.0100);
+        assert!((c.forward(3).unwrap() - 0.0060).abs() < 1e-12);
+        // The first draft position finds the drafter evicted; later ones find it in cache. Until a
+        // later one is measured, it costs what the first does.
+        c.record_draft(1, 0, 0.0002);
+        assert_eq!(c.draft(2, 1), Some(0.0002));
+        c.record_draft(1, 1, 0.0001);
+        assert_eq!((c.draft(0, 1), c.draft(1, 1), c.draft(3, 1)), (Some(0.0002), Some(0.0001), Some(0.0001)));
+        // So a sequence that drafts deep is charged the cheaper steps after the first. A forward costs
+        // 1 ms whatever its rows; at 0.5 ms a draft step, two drafts would not pay (1.96 tokens in
+        // 2 ms), at 0.5 ms for the first and 0.1 ms for the others three pay (2.18 tokens in 1.7 ms).
+        let mut c = Costs::default();
+        c.record_forward(1, 0.0010);
+        c.record_forward(5, 0.0010);
+        c.record_draft(1, 0, 0.0005);
+        assert_eq!(choose(&c, 0, 0.0, &[], &[cand(0.6)]).unwrap(), vec![1]);
+        c.record_draft(1, 1, 0.0001);
+        let deep = choose(&c, 0, 0.0, &[], &[cand(0.6)]).unwrap();
+        assert!(deep[0] >= 3, "{deep:?}");
     }
 
     #[test]
