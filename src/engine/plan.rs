@@ -259,6 +259,11 @@ mod tests {
         c
     }
 
+    /// A measured estimate equal to `want` up to rounding.
+    fn near(t: Option<f64>, want: f64) -> bool {
+        t.is_some_and(|t| (t - want).abs() < 1e-12)
+    }
+
     fn cand(rate: f64) -> Candidate {
         Candidate { rates: [rate; AUTO_MAX_DRAFT], k_max: 8, probe: false }
     }
@@ -361,7 +366,6 @@ mod tests {
         // One 5-row step took 20 times as long: counted as twice the estimate, then bounded by what 6 rows
         // cost.
         c.record_forward(5, 2.0);
-        let near = |t: Option<f64>, want: f64| t.is_some_and(|t| (t - want).abs() < 1e-12);
         assert!(near(c.forward(5), 0.110), "{:?}", c.forward(5));
         // A stall moves an estimate by a fifth at most: 6 rows go to 0.132, above 5 rows' own 0.120.
         c.record_forward(6, 2.0);
@@ -383,11 +387,11 @@ mod tests {
         c.record_forward(2, 0.0050);
         assert_eq!(c.forward(2), Some(0.0050));
         c.record_forward(2, 0.0060);
-        assert!((c.forward(2).unwrap() - 0.0052).abs() < 1e-12);
+        assert!(near(c.forward(2), 0.0052), "{:?}", c.forward(2));
         // A higher second sample is averaged, not taken.
         c.record_forward(3, 0.0050);
         c.record_forward(3, 0.0100);
-        assert!((c.forward(3).unwrap() - 0.0060).abs() < 1e-12);
+        assert!(near(c.forward(3), 0.0060), "{:?}", c.forward(3));
         // The first draft position finds the drafter evicted; later ones find it in cache. Until a
         // later one is measured, it costs what the first does.
         c.record_draft(1, 0, 0.0002);

@@ -147,7 +147,7 @@ pub(super) fn stream_many(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split
     super::tiling::for_row_chunks(w, m, out, split, |wc, outs| {
         let (k, p) = (wc.cols, wc.data.as_ptr());
         let end = p.wrapping_add(wc.rows * k * 2);
-        for i0 in (0..wc.rows).step_by(block.min(wc.rows.max(1))) {
+        for i0 in (0..wc.rows).step_by(block) {
             let rows = i0..wc.rows.min(i0.saturating_add(block));
             for g in 0..groups {
                 let (g0, c) = stream_group(m, g);
