@@ -363,6 +363,13 @@ pub fn matmul_each(x: &[f32], m: usize, jobs: &mut [(Weight<'_>, &mut [f32])]) {
     }
 }
 
+/// Weight rows per thread for a caller that splits a product by `w`'s rows itself, one range per
+/// thread (the last one shorter), or `None` where [`matmul`], called on this thread now, would not
+/// split it over threads. A multiple of every tile height, so each range keeps whole tiles.
+pub fn split_rows(w: &Weight<'_>, m: usize) -> Option<usize> {
+    tiling::split_rows(w.rows(), w.row_bytes(), w.cols(), m)
+}
+
 /// [`matmul`] on a given instruction set (lowered to what the CPU supports).
 pub fn matmul_with<'a>(isa: Isa, x: &[f32], m: usize, w: impl Into<Weight<'a>>, out: &mut [f32]) {
     match w.into() {

@@ -116,6 +116,16 @@ pub(crate) fn would_split(n: usize, row_bytes: usize, k: usize, m: usize) -> boo
     chunk_rows(n, row_bytes, k, m, Split::Auto, threads, pooled).is_some()
 }
 
+/// Rows per thread (whole [`CHUNK_ROW_MULTIPLE`]s) for a product of `n` weight rows of `row_bytes`
+/// bytes and `k` columns against `m` activation rows that [`for_row_ranges`], called on this thread
+/// now, would split; `None` where it would not.
+pub(crate) fn split_rows(n: usize, row_bytes: usize, k: usize, m: usize) -> Option<usize> {
+    let (threads, pooled) = threads_here();
+    chunk_rows(n, row_bytes, k, m, Split::Auto, threads, pooled)?;
+    let rows = n.div_ceil(threads).div_ceil(CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE;
+    (rows < n).then_some(rows)
+}
+
 /// x packed by [`pack_panels`]: `data()` starts on a 64-byte boundary.
 pub(crate) struct Panels<T: PanelElem> {
     buf: Vec<T>,

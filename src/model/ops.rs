@@ -41,29 +41,64 @@ pub fn add_normed(h: &mut [f32], y: &[f32], w: &[f32], eps: f32, dt: DType) {
     }
 }
 
-/// Activations per task in [`gelu_mlp`]'s element-wise part.
+/// Activations per task in [`gelu_mlp`]'s element-wise part (when gate and up are not split).
 const ACT_PIECE: usize = 2048;
 
+/// `gelu(gate(x)) ⊙ up(x)` in place over `g` (gate's output) and `u` (up's), with transformers'
+/// roundings.
+fn gelu_product(g: &mut [f32], u: &mut [f32], dt: DType) {
+    dt.round_slice(g);
+    dt.round_slice(u);
+    kernels::gelu_tanh(g);
+    dt.round_slice(g);
+    for (a, b) in g.iter_mut().zip(u.iter()) {
+        *a *= b;
+    }
+    dt.round_slice(g);
+}
+
 /// `down(gelu(gate(x)) ⊙ up(x))` with transformers' roundings (docs/model.md, "MLP").
+///
+/// When gate and up are large enough to split over threads, each task takes a range of the
+/// intermediate rows of both, multiplies it and applies the activation and product to its own
+/// results, in one parallel region: the results never leave the core that computed them before the
+/// down projection reads them, where three regions (gate, up, the element-wise part, each split its
+/// own way) moved every activation between cores twice. The same kernels compute every element,
+/// so the bits do not change.
 pub fn gelu_mlp(x: &[f32], rows: usize, gate: Weight, up: Weight, down: Weight, dt: DType) -> Vec<f32> {
     let inter = gate.rows();
     let mut g = vec![0f32; rows * inter];
-    let mut u = vec![0f32; rows * inter];
-    kernels::matmul(x, rows, gate, &mut g);
-    kernels::matmul(x, rows, up, &mut u);
-    // Element-wise, so in pieces on the kernels' pool: a verify's five rows would otherwise leave the
-    // other cores idle for six passes over rows × intermediate values.
-    let pieces: Vec<(&mut [f32], &mut [f32])> = g.chunks_mut(ACT_PIECE).zip(u.chunks_mut(ACT_PIECE)).collect();
-    kernels::par_map(pieces, |(g, u)| {
-        dt.round_slice(g);
-        dt.round_slice(u);
-        kernels::gelu_tanh(g);
-        dt.round_slice(g);
-        for (a, b) in g.iter_mut().zip(u.iter()) {
-            *a *= b;
+    match kernels::split_rows(&gate, rows) {
+        Some(piece) if up.rows() == inter && rows > 0 => {
+            let mut parts: Vec<(usize, Vec<&mut [f32]>)> =
+                (0..inter).step_by(piece).map(|a| (a, Vec::with_capacity(rows))).collect();
+            for row in g.chunks_mut(inter) {
+                for (p, part) in parts.iter_mut().zip(row.chunks_mut(piece)) {
+                    p.1.push(part);
+                }
+            }
+            kernels::par_map(parts, |(a, mut outs)| {
+                let n = outs[0].len();
+                let mut gp = vec![0f32; rows * n];
+                let mut up_ = vec![0f32; rows * n];
+                kernels::matmul(x, rows, gate.slice_rows(a, n), &mut gp);
+                kernels::matmul(x, rows, up.slice_rows(a, n), &mut up_);
+                gelu_product(&mut gp, &mut up_, dt);
+                for (o, r) in outs.iter_mut().zip(gp.chunks_exact(n)) {
+                    o.copy_from_slice(r);
+                }
+            });
         }
-        dt.round_slice(g);
-    });
+        _ => {
+            let mut u = vec![0f32; rows * inter];
+            kernels::matmul(x, rows, gate, &mut g);
+            kernels::matmul(x, rows, up, &mut u);
+            // Element-wise, so in pieces on the kernels' pool: a verify's five rows would otherwise
+            // leave the other cores idle for six passes over rows × intermediate values.
+            let pieces: Vec<(&mut [f32], &mut [f32])> = g.chunks_mut(ACT_PIECE).zip(u.chunks_mut(ACT_PIECE)).collect();
+            kernels::par_map(pieces, |(g, u)| gelu_product(g, u, dt));
+        }
+    }
     let mut out = vec![0f32; rows * down.rows()];
     kernels::matmul(&g, rows, down, &mut out);
     dt.round_slice(&mut out);
