@@ -33,6 +33,9 @@ pub fn matmul(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
     if m == 1 && streams_rows() {
         return stream_rows(x, w, out, split);
     }
+    if streams_long(m, &w) {
+        return stream_long(x, m, w, out, split);
+    }
     if streams_many(m, &w) {
         return stream_many(x, m, w, out, split);
     }
@@ -90,13 +93,9 @@ pub(super) fn stream_rows(x: &[f32], w: MatRef, out: &mut [f32], split: Split) {
 const STREAM_GROUP: usize = 8;
 /// Most activation rows `stream_many` takes (two groups).
 const STREAM_MAX_M: usize = 2 * STREAM_GROUP;
-/// Longest K `stream_many` takes for two groups: a group's panel is then at most 32 KiB and stays in
-/// L1 beside the weights, while the second group's weights wait in L2.
+/// Longest K `stream_many` takes: a group's panel is then at most 32 KiB and stays in L1 beside the
+/// weights, while the second group's weights wait in L2. Longer rows go through `stream_long`.
 const STREAM_MAX_K: usize = 2048;
-/// Longest K for one group (E2B's down projections, K = 6144 and 12,288 in its double-wide layers):
-/// its panel (up to 256 KiB) is read from L2, which still beats the tiles at 2-5 rows and matches
-/// them at 8. Longer rows go through the tiles, which chunk K.
-const STREAM_MAX_K_ONE: usize = 16384;
 /// Smallest matrix `stream_many` takes: smaller ones (attention's keys, a drafter's matrices)
 /// are in cache, where the tiles are faster.
 const STREAM_MIN_BYTES: usize = 256 << 10;
@@ -108,12 +107,13 @@ const STREAM_AHEAD: usize = 16 << 10;
 const STREAM_BLOCK: usize = 256 << 10;
 
 /// Whether `m > 1` activation rows over the bf16 matrix `w` go through `stream_many`: on Zen 4
-/// (`streams_rows`) for 2 to `STREAM_GROUP` rows with K up to `STREAM_MAX_K_ONE`, and up to
-/// `STREAM_MAX_M` rows with K up to `STREAM_MAX_K`. See docs/numerics.md,
+/// (`streams_rows`) for 2 to `STREAM_MAX_M` rows with K up to `STREAM_MAX_K`. See docs/numerics.md,
 /// "A few bf16 rows on Zen 4".
 fn streams_many(m: usize, w: &MatRef) -> bool {
-    let k_max = if m <= STREAM_GROUP { STREAM_MAX_K_ONE } else { STREAM_MAX_K };
-    (2..=STREAM_MAX_M).contains(&m) && w.cols <= k_max && w.rows * w.cols * 2 >= STREAM_MIN_BYTES && streams_rows()
+    (2..=STREAM_MAX_M).contains(&m)
+        && w.cols <= STREAM_MAX_K
+        && w.rows * w.cols * 2 >= STREAM_MIN_BYTES
+        && streams_rows()
 }
 
 /// Group `g` of `m` activation rows cut into `m.div_ceil(STREAM_GROUP)` groups of sizes as equal as
@@ -250,6 +250,169 @@ unsafe fn dot_each<const R: usize, const C: usize, const AHEAD: bool>(
     }
     if R > 1 && whole < rows.end {
         dot_each::<1, C, AHEAD>(x, k, w, whole..rows.end, outs, ahead, end);
+    }
+}
+
+/// Shortest K that `stream_long` takes: up to this, `stream_many`'s whole-row panel of 8 rows
+/// (32 KiB) sits in L1.
+const LONG_MIN_K: usize = STREAM_MAX_K + 1;
+/// K elements per pass in `stream_long`: the panel's piece for 8 rows is then 16 KiB and stays in L1
+/// beside the weights streaming through.
+const LONG_KC: usize = 1024;
+/// Bytes of weight rows `stream_long` takes through all of K before it moves on: the block sits in
+/// L2 while the passes read it piece by piece, next to the following block coming in.
+const LONG_BLOCK: usize = 192 << 10;
+
+/// Whether `m` activation rows over the bf16 matrix `w` go through `stream_long`: on Zen 4
+/// (`streams_rows`), 2 to `STREAM_MAX_M` rows over rows longer than `STREAM_MAX_K` (E2B's down
+/// projections, K = 6144 and 12,288), of a matrix too large for the cache. See docs/numerics.md,
+/// "A few bf16 rows on Zen 4".
+fn streams_long(m: usize, w: &MatRef) -> bool {
+    (2..=STREAM_MAX_M).contains(&m) && w.cols >= LONG_MIN_K && w.rows * w.cols * 2 >= STREAM_MIN_BYTES && streams_rows()
+}
+
+/// `out = x · wᵀ` for 2 to 16 activation rows over long weight rows, a block of weight rows at a
+/// time: each block is read in passes of `LONG_KC` elements of K (the activations' piece of the pass
+/// stays in L1), two weight rows × a group of up to 8 activation rows per call (a second group reads
+/// the block from L2 after the first), with the 16-lane sums kept in a buffer between passes. Each 64 bytes of weights read asks for the same line of the next
+/// block into L2 (`prefetcht1`), so the memory streams while the products run. `stream_many` reads
+/// whole rows instead, and with K > 2048 its panel no longer fits L1: 8 rows over K = 6144 cost
+/// 1.7x one row. Saving an f32 vector and loading it back is exact, so every output is still one
+/// chain from zero over K with the tile's tail and `hsum4`: the bits of the tile kernel. Called by
+/// `matmul` where `streams_long` says so; the tests call it on every CPU with AVX512_BF16.
+pub(super) fn stream_long(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Split) {
+    assert!(supported(), "AVX512_BF16 kernels on a CPU without them");
+    assert!(w.dtype == DType::BF16 && x.len() == m * w.cols && out.len() == m * w.rows, "stream_long shapes");
+    assert!((1..=STREAM_MAX_M).contains(&m), "stream_long takes 1 to {STREAM_MAX_M} rows");
+    let groups = m.div_ceil(STREAM_GROUP);
+    let (_, first) = stream_group(m, 0);
+    // SAFETY: the CPU has the features, asserted above.
+    let xp = pack_panels(x, m, w.cols, 32, first, |src, dst| unsafe { pack_bf16(src, dst) });
+    let (xs, kp) = (xp.data(), xp.kp);
+    super::tiling::for_row_chunks(w, m, out, split, |wc, outs| {
+        let (k, rb, base) = (wc.cols, wc.cols * 2, wc.data.as_ptr());
+        let block = ((LONG_BLOCK / rb.max(1)).max(2) / 2) * 2;
+        let end = base.wrapping_add(wc.rows * rb);
+        // Every weight row of a block: its sums for every activation row between passes (rows i and
+        // i + 1 of a pair hold 2m vectors from (i - b0)·m, group by group).
+        // SAFETY: the CPU has AVX-512 F, asserted above.
+        let mut acc = vec![unsafe { _mm512_setzero_ps() }; block.min(wc.rows) * m];
+        for b0 in (0..wc.rows).step_by(block) {
+            let b1 = wc.rows.min(b0 + block);
+            for k0 in (0..k).step_by(LONG_KC) {
+                let ks = k0..k.min(k0 + LONG_KC);
+                for g in 0..groups {
+                    let (g0, c) = stream_group(m, g);
+                    let x = xs[g0 * kp..].as_ptr();
+                    // The first group asks for the next block; the second reads what is in L2.
+                    let (ahead, stop) = if g == 0 { ((b1 - b0) * rb, end) } else { (0, base) };
+                    let mut i = b0;
+                    while i < b1 {
+                        let r = if b1 - i >= 2 { 2 } else { 1 };
+                        let (w, o, a) = (base.wrapping_add(i * rb), &mut outs[g0..g0 + c], (i - b0) * m + r * g0);
+                        let ks = ks.clone();
+                        macro_rules! go {
+                            ($($c:literal)*) => {
+                                match (r, c) {
+                                    // SAFETY: as above; the group's panel of `c` rows covers K, rows
+                                    // i..i + r of the chunk are in `wc.data` (`end` is its end), and
+                                    // `acc` holds r·c vectors from `a` for them.
+                                    $((2, $c) => unsafe {
+                                        long_pass::<2, $c>(x, k, ks, w, &mut acc[a..], i, o, ahead, stop)
+                                    },
+                                    (1, $c) => unsafe {
+                                        long_pass::<1, $c>(x, k, ks, w, &mut acc[a..], i, o, ahead, stop)
+                                    },)*
+                                    _ => unreachable!("stream_long shape"),
+                                }
+                            };
+                        }
+                        go!(1 2 3 4 5 6 7 8);
+                        i += r;
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// One pass of `stream_long`: `R` weight rows (from `w`, `k` bf16 each) × the `C` activation rows of
+/// the panel `x` over `ks` (a multiple of 32 from its start; the tail only at K's end). The sums
+/// start from zero at K's start and come from `acc` otherwise; they go back to `acc`, or at K's end
+/// are summed by `hsum4` into `outs[c][i + r]`. Each 64 bytes of weights read asks for the line
+/// `ahead` bytes further into L2 (below `end`).
+///
+/// # Safety
+/// AVX-512 F/BW/VL + BF16; `x` is a `C`-row `pack_bf16` panel covering `k`; `w` points at `R * k`
+/// readable bf16; `acc` has at least `R * C` vectors; `outs` has `C` slices longer than `i + R - 1`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
+unsafe fn long_pass<const R: usize, const C: usize>(
+    x: *const u16,
+    k: usize,
+    ks: std::ops::Range<usize>,
+    w: *const u8,
+    acc: &mut [__m512],
+    i: usize,
+    outs: &mut [&mut [f32]],
+    ahead: usize,
+    end: *const u8,
+) {
+    debug_assert!(outs.len() == C && acc.len() >= R * C && ks.start.is_multiple_of(32));
+    let z = _mm512_setzero_ps();
+    let mut a = [[z; C]; R];
+    if ks.start > 0 {
+        for (r, a) in a.iter_mut().enumerate() {
+            a.copy_from_slice(&acc[r * C..(r + 1) * C]);
+        }
+    }
+    let p: [*const u8; R] = std::array::from_fn(|r| w.add(r * k * 2));
+    let mut kk = ks.start;
+    while kk + 32 <= ks.end {
+        for (p, a) in p.iter().zip(a.iter_mut()) {
+            let line = p.add(kk * 2);
+            let pf = line.wrapping_add(ahead);
+            if pf < end {
+                // A prefetch has no architectural effect and never faults; the address is inside
+                // the chunk.
+                _mm_prefetch::<_MM_HINT_T1>(pf as *const i8);
+            }
+            let wv: __m512bh = std::mem::transmute(_mm512_loadu_si512(line as *const _));
+            let xs = x.add(kk * C);
+            for (c, a) in a.iter_mut().enumerate() {
+                let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(xs.add(c * 32) as *const _));
+                *a = _mm512_dpbf16_ps(*a, xv, wv);
+            }
+        }
+        kk += 32;
+    }
+    if kk < ks.end {
+        // K's tail: the last pass only, as `LONG_KC` is a multiple of 32.
+        let mask = (1u32 << (ks.end - kk)) - 1;
+        let xs = x.add(kk * C);
+        for (p, a) in p.iter().zip(a.iter_mut()) {
+            let wv: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(mask, p.add(kk * 2) as *const i16));
+            for (c, a) in a.iter_mut().enumerate() {
+                let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(xs.add(c * 32) as *const _));
+                *a = _mm512_dpbf16_ps(*a, xv, wv);
+            }
+        }
+    }
+    if ks.end < k {
+        for (r, a) in a.iter().enumerate() {
+            acc[r * C..(r + 1) * C].copy_from_slice(a);
+        }
+        return;
+    }
+    for (r, a) in a.iter().enumerate() {
+        for c0 in (0..C).step_by(4) {
+            let v = |c: usize| if c0 + c < C { a[c0 + c] } else { z };
+            let mut s = [0f32; 4];
+            _mm_storeu_ps(s.as_mut_ptr(), hsum4(v(0), v(1), v(2), v(3)));
+            for (c, o) in outs[c0..C.min(c0 + 4)].iter_mut().enumerate() {
+                *o.get_unchecked_mut(i + r) = s[c];
+            }
+        }
     }
 }
 

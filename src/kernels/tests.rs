@@ -232,8 +232,8 @@ fn matmul_is_bit_exact_across_threads_and_batch() {
     }
 }
 
-/// The kernels that read a weight row at a time (what Zen 4 runs, see `streams_rows` and
-/// `streams_many`), for one row and for a few, give every row the bits the tile kernel gives it in a
+/// The kernels that read a weight row at a time (what Zen 4 runs, see `streams_rows`,
+/// `streams_many` and `streams_long`), for one row and for a few, give every row the bits the tile kernel gives it in a
 /// batch, on any split, on every CPU that can run them.
 #[cfg(target_arch = "x86_64")]
 #[test]
@@ -273,6 +273,10 @@ fn streamed_rows_have_the_bits_of_the_tiles() {
                 pool3.install(|| avx512bf16::stream_many(xs, n, w.mat(), &mut got, split));
                 let want = &tiled[first * rows..(first + n) * rows];
                 assert!(same(want, &got), "{rows}x{cols} rows {first}..{}, {name}", first + n);
+                // In passes over K, a block of weight rows at a time (blocks of odd size too).
+                let mut got = vec![f32::NAN; n * rows];
+                pool3.install(|| avx512bf16::stream_long(xs, n, w.mat(), &mut got, split));
+                assert!(same(want, &got), "{rows}x{cols} rows {first}..{} in passes, {name}", first + n);
             }
         }
     }
