@@ -119,6 +119,35 @@ unsafe fn prep_rows<F: Format>(acts: &QActs, buf: &mut Vec<__m512i>) -> usize {
 
 /// `out[i][j] = Σ_k acts[i, k] · w[j, k]` from prepared activations; `out[i]` has `w.rows` elements.
 pub fn matmul_prepared(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]]) {
+    let walk = if one_row_streams(p.acts.rows, &w) { Walk::Rows } else { Walk::Tiles };
+    matmul_walk(p, w, out, walk)
+}
+
+/// How `run` goes through the weight rows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Walk {
+    /// Tiles of up to 4 weight rows, the next tile prefetched.
+    Tiles,
+    /// One weight row at a time and no software prefetch: a single stream per core, which Zen 4's
+    /// hardware prefetcher keeps fed (`one_row_streams`).
+    Rows,
+}
+
+/// Shortest weight row (bytes) that one activation row reads in `Walk::Rows` on Zen 4, Q8_0 aside.
+const ONE_ROW_MIN_BYTES: usize = 2048;
+
+/// Whether `m` activation rows over `w` go through `Walk::Rows`: one row on Zen 4, for Q8_0
+/// always and for the other formats over rows of at least `ONE_ROW_MIN_BYTES`. Measured with
+/// `matmul_bench --quant` on E2B's shapes: Q8_0 1.4-1.6x faster at K = 1536 to 6144; the others
+/// 1.1-1.3x faster over K = 6144 but up to 1.4x slower over K = 1536, where a row is a few steps and
+/// the four rows of a tile hide each other's latency (docs/quantization.md, "One quantized row on Zen 4").
+fn one_row_streams(m: usize, w: &QMatRef) -> bool {
+    m == 1 && (w.qtype == QType::Q8_0 || w.row_bytes() >= ONE_ROW_MIN_BYTES) && super::x86::zen4()
+}
+
+/// `matmul_prepared` walking the weight rows as `walk` says, whatever the CPU; the tests compare
+/// the walks' bits.
+pub(super) fn matmul_walk(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]], walk: Walk) {
     assert!(p.qtype == w.qtype && p.acts.cols == w.cols, "activations prepared for another format or width");
     assert_eq!(out.len(), p.acts.rows, "one output row per activation row");
     assert!(out.iter().all(|o| o.len() == w.rows), "output rows of the chunk's width");
@@ -126,16 +155,16 @@ pub fn matmul_prepared(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]]) {
     // read stays inside `w.data` and the prepared rows.
     unsafe {
         match w.qtype {
-            QType::Q8_0 if vbmi() => run::<Q8_0<true>>(p, w, out),
-            QType::Q8_0 => run::<Q8_0<false>>(p, w, out),
-            QType::Q4_0 => run::<Q4_0>(p, w, out),
-            QType::Q5_0 => run::<Q5_0>(p, w, out),
-            QType::Q5_1 => run::<Q5_1>(p, w, out),
-            QType::Q4_K => run::<Q4K>(p, w, out),
-            QType::Q5_K => run::<Q5K>(p, w, out),
-            QType::Q6_K => run::<Q6K>(p, w, out),
-            QType::IQ4_NL => run::<IQ4NL>(p, w, out),
-            QType::IQ4_XS => run::<IQ4XS>(p, w, out),
+            QType::Q8_0 if vbmi() => run::<Q8_0<true>>(p, w, out, walk),
+            QType::Q8_0 => run::<Q8_0<false>>(p, w, out, walk),
+            QType::Q4_0 => run::<Q4_0>(p, w, out, walk),
+            QType::Q5_0 => run::<Q5_0>(p, w, out, walk),
+            QType::Q5_1 => run::<Q5_1>(p, w, out, walk),
+            QType::Q4_K => run::<Q4K>(p, w, out, walk),
+            QType::Q5_K => run::<Q5K>(p, w, out, walk),
+            QType::Q6_K => run::<Q6K>(p, w, out, walk),
+            QType::IQ4_NL => run::<IQ4NL>(p, w, out, walk),
+            QType::IQ4_XS => run::<IQ4XS>(p, w, out, walk),
         }
     }
 }
@@ -203,19 +232,20 @@ fn tile_rows(c: usize) -> usize {
 }
 
 /// Walk the product: weight-row tiles outside, activation groups inside, so each tile's rows are read
-/// from memory once and from L1 by the later groups.
+/// from memory once and from L1 by the later groups. `Walk::Rows` takes a weight row at a time
+/// without prefetching. Either way every output gets the same operations in the same order.
 ///
 /// # Safety
 /// AVX-512 VNNI CPU; shapes as checked by `matmul`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn run<F: Format>(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]]) {
+unsafe fn run<F: Format>(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]], walk: Walk) {
     let (m, n) = (p.acts.rows, w.rows);
     let nb = w.cols / w.qtype.block_elems();
     let (full, tail) = (nb / F::SB, nb % F::SB);
     let rb = w.row_bytes();
     let act = |i: usize| Act { x: p.x.as_ptr().add(i * p.per_row), d: p.acts.d.as_ptr().add(i * nb) };
     let ngroups = m.div_ceil(GROUP_MAX);
-    let rmax = tile_rows(group(m, 0).1);
+    let rmax = if walk == Walk::Rows { 1 } else { tile_rows(group(m, 0).1) };
     let shape = Shape { rb, full, tail };
     let mut j = 0;
     while j < n {
@@ -224,7 +254,7 @@ unsafe fn run<F: Format>(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]]) {
         for gi in 0..ngroups {
             let (g0, c) = group(m, gi);
             // The first group's pass prefetches the next tile (the same number of rows, or what is left).
-            let pf = if gi == 0 { r.min(n - j - r) * rb } else { 0 };
+            let pf = if gi == 0 && walk == Walk::Tiles { r.min(n - j - r) * rb } else { 0 };
             macro_rules! shape {
                 ($r:literal, $c:literal) => {{
                     let x: [Act; $c] = std::array::from_fn(|i| act(g0 + i));
@@ -1112,9 +1142,9 @@ mod tests {
                     with_prepared(&acts, QType::Q8_0, |p| unsafe {
                         // SAFETY: the CPU has the features (checked above); shapes match.
                         if vbmi {
-                            run::<Q8_0<true>>(p, w, &mut outs)
+                            run::<Q8_0<true>>(p, w, &mut outs, Walk::Tiles)
                         } else {
-                            run::<Q8_0<false>>(p, w, &mut outs)
+                            run::<Q8_0<false>>(p, w, &mut outs, Walk::Tiles)
                         }
                     });
                     got

@@ -53,20 +53,12 @@ pub(super) fn tiled(x: &[f32], m: usize, w: MatRef, out: &mut [f32], split: Spli
 }
 
 /// Whether one activation row reads its weight rows one at a time (`stream_rows`) rather than
-/// through the tile driver. Yes on Zen 4 (AMD family 0x19 with AVX-512), where a core keeping one
-/// stream of weights in flight reads 15-30 % faster than one keeping four (the (4, 1) tile, or
-/// `dot_rows`), with or without software prefetch; on Sapphire Rapids the tile already
-/// reads at the measured bandwidth. See docs/numerics.md, "One-row bf16 products".
+/// through the tile driver: on Zen 4 (`x86::zen4`), where a core keeping one stream of weights in
+/// flight reads 15-30 % faster than one keeping four (the (4, 1) tile, or `dot_rows`), with or without
+/// software prefetch; on Sapphire Rapids the tile already reads at the measured bandwidth. See
+/// docs/numerics.md, "One-row bf16 products".
 fn streams_rows() -> bool {
-    static STREAMS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *STREAMS.get_or_init(|| {
-        let (vendor, sig) = (__cpuid(0), __cpuid(1).eax);
-        let amd = (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163);
-        // Family as cpuid reports it: the base field, plus the extended one when the base is 0xf.
-        let base = (sig >> 8) & 0xf;
-        let family = if base == 0xf { base + ((sig >> 20) & 0xff) } else { base };
-        amd && family == 0x19
-    })
+    super::x86::zen4()
 }
 
 /// `out = x · wᵀ` for one activation row, a weight row at a time over the pool's row chunks: one

@@ -327,7 +327,8 @@ fn activation_quantization_bounds() {
 
 /// The AVX-512 VNNI kernels called directly (not through the dispatch), when the CPU has them: every
 /// tile shape (m = 1..=16 against 4-row tiles and 1-row leftovers), against the reference within
-/// float reordering, on quantized and on raw random blocks, with partial 4-block steps; and the
+/// float reordering, on quantized and on raw random blocks, with partial 4-block steps; both walks
+/// through the weight rows (tiles, or one row at a time) give the same bits; and the
 /// dispatch of `Isa::Avx512` / `Isa::Avx512Bf16` gives exactly their bits. Skipped without AVX-512 VNNI.
 #[cfg(target_arch = "x86_64")]
 #[test]
@@ -364,6 +365,16 @@ fn avx512_vnni_kernels_direct() {
                     assert!(
                         got[i * rows..(i + 1) * rows].iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
                         "{qt} raw={raw} m={m} row {i}: batch variance"
+                    );
+                }
+                // Both walks through the weight rows, whichever `matmul` chose on this CPU.
+                for walk in [avx512_quant::Walk::Tiles, avx512_quant::Walk::Rows] {
+                    let mut by = vec![f32::NAN; m * rows];
+                    let mut outs: Vec<&mut [f32]> = by.chunks_mut(rows).collect();
+                    avx512_quant::with_prepared(&acts, qt, |p| avx512_quant::matmul_walk(p, w, &mut outs, walk));
+                    assert!(
+                        by.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{qt} raw={raw} m={m}: {walk:?} walk differs"
                     );
                 }
                 for i in 0..m {

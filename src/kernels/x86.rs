@@ -60,6 +60,22 @@ impl<T: 'static> Drop for Accs<T> {
     }
 }
 
+/// Whether this is an AMD Zen 4 core (family 0x19 with AVX-512), where one activation row reads
+/// weights fastest one weight row at a time, a single stream per core (docs/numerics.md, "One-row
+/// bf16 products on Zen 4"; docs/quantization.md, "One quantized row on Zen 4"). Detected once.
+pub(super) fn zen4() -> bool {
+    use std::arch::x86_64::__cpuid;
+    static ZEN4: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ZEN4.get_or_init(|| {
+        let (vendor, sig) = (__cpuid(0), __cpuid(1).eax);
+        let amd = (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163);
+        // Family as cpuid reports it: the base field, plus the extended one when the base is 0xf.
+        let base = (sig >> 8) & 0xf;
+        let family = if base == 0xf { base + ((sig >> 20) & 0xff) } else { base };
+        amd && family == 0x19
+    })
+}
+
 /// One activation row against a small bf16 matrix with short rows (a drafter's: K of 128-512, at most
 /// 256 KiB) goes through a kernel's `dot_rows` rather than the tile driver: with a few kernel steps
 /// per tile, the driver's work per tile (accumulator set-up, prefetch plan, stores) costs as much as
