@@ -948,6 +948,21 @@ pub struct ConcurrencyRow {
     pub join_prompt: usize,
     /// Its time from submission to its first token.
     pub joiner_ttft_ms: Option<f64>,
+    /// Median over the repetitions of this mode's aggregate over the same repetition's plain single
+    /// stream (when 1 is among the levels).
+    pub aggregate_vs_one: Option<f64>,
+    /// The same for the aggregate decode throughput.
+    pub decode_vs_one: Option<f64>,
+    /// With drafting: median over the repetitions of the aggregate over the same repetition's run
+    /// with drafting off (and the same joiner).
+    pub aggregate_vs_off: Option<f64>,
+}
+
+/// The repetition with the median aggregate throughput.
+fn median_by_aggregate(runs: &[ConcurrencyRow]) -> ConcurrencyRow {
+    let mut r = runs.to_vec();
+    r.sort_by(|a, b| a.aggregate_tokens_per_s.total_cmp(&b.aggregate_tokens_per_s));
+    r.swap_remove(r.len() / 2)
 }
 
 #[derive(Serialize)]
@@ -961,33 +976,34 @@ pub struct ConcurrencyReport {
 impl ConcurrencyReport {
     pub fn table(&self) -> String {
         let mut s = format!(
-            "{}; {} prompt tokens and {} new tokens per request, greedy; medians of the repetitions\n",
+            "{}; {} prompt tokens and {} new tokens per request, greedy; the median repetition, and each ratio the median of the repetitions' own\n",
             self.model, self.prompt_tokens, self.new_tokens
         );
         let joins = self.rows.iter().any(|r| r.join_prompt > 0);
+        let drafts = self.rows.iter().any(|r| r.aggregate_vs_off.is_some());
         s += "streams  draft  aggregate tok/s  vs 1 stream  per-stream tok/s  decode tok/s  vs 1 stream  TTFT ms  ITL p50 ms  ITL p99 ms  rows/step  accepted";
+        s += if drafts { "  vs off" } else { "" };
         s += if joins { "  joiner  joiner TTFT ms\n" } else { "\n" };
-        // Without a plain single-stream row there is nothing to compare with.
-        let base = self.rows.iter().find(|b| b.concurrency == 1 && b.draft == "off" && b.join_prompt == 0);
-        let vs = |f: fn(&ConcurrencyRow) -> f64, r: &ConcurrencyRow| {
-            base.map_or("-".to_string(), |b| format!("{:.2}x", f(r) / f(b)))
-        };
+        let x = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}x"));
         for r in &self.rows {
             s += &format!(
                 "{:>7}  {:>5}  {:>15.1}  {:>11}  {:>16.1}  {:>12.1}  {:>11}  {:>7.0}  {:>10.1}  {:>10.1}  {:>9.1}  {:>7.0}%",
                 r.concurrency,
                 r.draft,
                 r.aggregate_tokens_per_s,
-                vs(|r| r.aggregate_tokens_per_s, r),
+                x(r.aggregate_vs_one),
                 r.per_stream_decode_tokens_per_s,
                 r.aggregate_decode_tokens_per_s,
-                vs(|r| r.aggregate_decode_tokens_per_s, r),
+                x(r.decode_vs_one),
                 r.ttft_ms_p50,
                 r.itl_ms_p50,
                 r.itl_ms_p99,
                 r.rows_per_step,
                 100.0 * r.acceptance_rate
             );
+            if drafts {
+                s += &format!("  {:>6}", x(r.aggregate_vs_off));
+            }
             if joins {
                 let ttft = r.joiner_ttft_ms.map_or("-".to_string(), |t| format!("{t:.0}"));
                 let join = if r.join_prompt > 0 { r.join_prompt.to_string() } else { "-".into() };
@@ -1141,11 +1157,16 @@ fn concurrency_once(
         acceptance_rate: if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
         join_prompt,
         joiner_ttft_ms,
+        aggregate_vs_one: None,
+        decode_vs_one: None,
+        aggregate_vs_off: None,
     })
 }
 
-/// Every concurrency level with drafting off and (with an assistant) on, interleaved `repeats` times;
-/// each row is the median repetition (by aggregate throughput).
+/// Every concurrency level with drafting off and (with an assistant) on, `repeats` times, each
+/// repetition running every level and mode once. Each row is the median repetition (by aggregate
+/// throughput); its ratios are the medians of the repetitions' own ratios (each against the same
+/// repetition's plain single stream, or its run with drafting off).
 pub fn run_concurrency(
     models: &crate::engine::Models,
     name: &str,
@@ -1173,24 +1194,42 @@ pub fn run_concurrency(
     };
     let joins = if opts.join_prompt > 0 { vec![0, opts.join_prompt] } else { vec![0] };
     let modes: Vec<_> = drafts.iter().flat_map(|&d| joins.iter().map(move |&j| (d, j))).collect();
-    let mut rows = Vec::new();
-    for &c in &opts.levels {
-        let mut runs: Vec<Vec<ConcurrencyRow>> = vec![Vec::new(); modes.len()];
-        for rep in 0..opts.repeats.max(1) {
+    // runs[level][mode][repetition]: every level and mode once per repetition, so that each
+    // repetition's ratios compare runs minutes apart at most (this machine's memory speed drifts over
+    // minutes: the same run differs 1.7x between a fast and a slow phase).
+    let reps = opts.repeats.max(1);
+    let mut runs: Vec<Vec<Vec<ConcurrencyRow>>> = vec![vec![Vec::with_capacity(reps); modes.len()]; opts.levels.len()];
+    for rep in 0..reps {
+        for (l, &c) in opts.levels.iter().enumerate() {
             for (m, &(mode, join)) in modes.iter().enumerate() {
                 log(&format!(
-                    "{c} streams, draft {}{}, run {}/{}",
+                    "{c} streams, draft {}{}, run {}/{reps}",
                     mode.map_or("off".into(), |d| d.to_string()),
                     if join > 0 { format!(", a {join}-token prompt joining") } else { String::new() },
                     rep + 1,
-                    opts.repeats.max(1)
                 ));
-                runs[m].push(concurrency_once(models, c, opts, mode, join, rep)?);
+                runs[l][m].push(concurrency_once(models, c, opts, mode, join, rep)?);
             }
         }
-        for mut r in runs {
-            r.sort_by(|a, b| a.aggregate_tokens_per_s.total_cmp(&b.aggregate_tokens_per_s));
-            rows.push(r[r.len() / 2].clone());
+    }
+    // The plain single-stream runs (mode 0: drafting off, nobody joining), if 1 is a level.
+    let one = opts.levels.iter().position(|&c| c == 1).map(|l| &runs[l][0]);
+    let pairwise = |a: &[ConcurrencyRow], b: &[ConcurrencyRow], f: fn(&ConcurrencyRow) -> f64| {
+        percentile(a.iter().zip(b).map(|(a, b)| f(a) / f(b).max(1e-12)).collect(), 0.5)
+    };
+    let mut rows = Vec::new();
+    for level in &runs {
+        for (m, r) in level.iter().enumerate() {
+            let mut row = median_by_aggregate(r);
+            if let Some(one) = one {
+                row.aggregate_vs_one = Some(pairwise(r, one, |r| r.aggregate_tokens_per_s));
+                row.decode_vs_one = Some(pairwise(r, one, |r| r.aggregate_decode_tokens_per_s));
+            }
+            // A drafting mode against drafting off with the same joiner (modes are drafts × joins).
+            if m >= joins.len() {
+                row.aggregate_vs_off = Some(pairwise(r, &level[m % joins.len()], |r| r.aggregate_tokens_per_s));
+            }
+            rows.push(row);
         }
     }
     Ok(ConcurrencyReport {
