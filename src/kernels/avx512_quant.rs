@@ -190,6 +190,9 @@ trait Format {
     /// registers) rather than all rows' steps first, then activation row by activation row (the
     /// 32-element formats, measured a little faster so).
     const ROW_AT_A_TIME: bool;
+    /// Whether a tile asks for the next tile into L2 (`prefetcht1`) rather than L1 (`prefetcht0`)
+    /// (docs/quantization.md, "Prefetching Q8_0 tiles").
+    const PREFETCH_L2: bool = false;
 
     /// Fill `out` (`LINES` vectors per step, `steps` steps) from activation row `r`.
     ///
@@ -325,7 +328,12 @@ unsafe fn tile<F: Format, const R: usize, const C: usize>(
         while pf_at < pf_end {
             // SAFETY: a prefetch never faults and has no architectural effect; the address is in the
             // chunk anyway.
-            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(pf_at) as *const i8);
+            let at = next.wrapping_add(pf_at) as *const i8;
+            if F::PREFETCH_L2 {
+                _mm_prefetch::<_MM_HINT_T1>(at);
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(at);
+            }
             pf_at += 64;
         }
         if F::ROW_AT_A_TIME {
@@ -586,6 +594,7 @@ struct IQ4NL;
 struct IQ4XS;
 
 impl<const VBMI: bool> Format for Q8_0<VBMI> {
+    const PREFETCH_L2: bool = true;
     const ROW_AT_A_TIME: bool = false;
     const BB: usize = 34;
     const SB: usize = 4;
