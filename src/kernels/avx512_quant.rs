@@ -133,16 +133,19 @@ pub(super) enum Walk {
     Rows,
 }
 
-/// Shortest weight row (bytes) that one activation row reads in `Walk::Rows` on Zen 4, Q8_0 aside.
+/// Shortest weight rows (bytes) that one activation row reads in `Walk::Rows` on Zen 4: Q8_0's, and
+/// the other formats' (whose heavier decoding gains more from the tile's four rows side by side).
+const ONE_ROW_MIN_BYTES_Q8_0: usize = 1024;
 const ONE_ROW_MIN_BYTES: usize = 2048;
 
-/// Whether `m` activation rows over `w` go through `Walk::Rows`: one row on Zen 4, for Q8_0
-/// always and for the other formats over rows of at least `ONE_ROW_MIN_BYTES`. Measured with
-/// `matmul_bench --quant` on E2B's shapes: Q8_0 1.4-1.6x faster at K = 1536 to 6144; the others
-/// 1.1-1.3x faster over K = 6144 but up to 1.4x slower over K = 1536, where a row is a few steps and
-/// the four rows of a tile hide each other's latency (docs/quantization.md, "One quantized row on Zen 4").
+/// Whether `m` activation rows over `w` go through `Walk::Rows`: one row on Zen 4, over rows long
+/// enough. Measured with `matmul_bench --quant` on E2B's shapes: Q8_0 1.4-1.6x faster at K = 1536 to
+/// 6144; the others 1.1-1.3x faster over K = 6144 but up to 1.4x slower over K = 1536, where a row is a
+/// few steps and the four rows of a tile hide each other's latency (docs/quantization.md, "One
+/// quantized row on Zen 4").
 fn one_row_streams(m: usize, w: &QMatRef) -> bool {
-    m == 1 && (w.qtype == QType::Q8_0 || w.row_bytes() >= ONE_ROW_MIN_BYTES) && super::x86::zen4()
+    let min_row = if w.qtype == QType::Q8_0 { ONE_ROW_MIN_BYTES_Q8_0 } else { ONE_ROW_MIN_BYTES };
+    m == 1 && w.row_bytes() >= min_row && super::x86::zen4()
 }
 
 /// `matmul_prepared` walking the weight rows as `walk` says, whatever the CPU; the tests compare
