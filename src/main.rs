@@ -196,7 +196,8 @@ struct BenchArgs {
     /// random preset (with its random drafter), or --model [--assistant].
     #[arg(long, value_name = "LEVELS")]
     concurrency: Option<String>,
-    /// --concurrency: repetitions of each measurement (interleaved; medians reported).
+    /// --concurrency: repetitions, each running every level and mode once (the median repetition
+    /// reported, and each ratio as the median of the repetitions' own).
     #[arg(long, allow_hyphen_values = true, default_value_t = 3)]
     repeats: usize,
     /// --concurrency: measure plain decoding only.
