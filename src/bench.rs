@@ -629,6 +629,53 @@ mod tests {
     use super::*;
     use crate::config::validate_pair;
 
+    /// A row of `bench --concurrency` with only the throughputs set.
+    fn measured(concurrency: usize, draft: &str, aggregate: f64, decode: f64) -> ConcurrencyRow {
+        ConcurrencyRow {
+            concurrency,
+            draft: draft.into(),
+            aggregate_tokens_per_s: aggregate,
+            per_stream_decode_tokens_per_s: decode / concurrency as f64,
+            aggregate_decode_tokens_per_s: decode,
+            ttft_ms_p50: 0.0,
+            itl_ms_p50: 0.0,
+            itl_ms_p99: 0.0,
+            rows_per_step: 0.0,
+            acceptance_rate: 0.0,
+            join_prompt: 0,
+            joiner_ttft_ms: None,
+            aggregate_vs_one: None,
+            decode_vs_one: None,
+            aggregate_vs_off: None,
+        }
+    }
+
+    #[test]
+    fn concurrency_ratios_are_medians_of_each_repetitions_own() {
+        // Three repetitions; the second ran in a fast phase. Per repetition, 8 streams over 1 stream:
+        // 5, 5 and 6 (median 5), while the median repetitions' aggregates, 72 over 12, would say 6.
+        let series = |c: usize, draft: &str, agg: [f64; 3]| -> Vec<ConcurrencyRow> {
+            agg.iter().map(|&a| measured(c, draft, a, 2.0 * a)).collect()
+        };
+        let runs = vec![
+            vec![series(1, "off", [10.0, 20.0, 12.0]), series(1, "auto", [10.0, 22.0, 11.0])],
+            vec![series(8, "off", [50.0, 100.0, 72.0]), series(8, "auto", [55.0, 90.0, 80.0])],
+        ];
+        let rows = summarize_runs(&[1, 8], 1, &runs);
+        let get = |c: usize, d: &str| rows.iter().find(|r| r.concurrency == c && r.draft == d).unwrap();
+        let near = |a: Option<f64>, b: f64| (a.unwrap() - b).abs() < 1e-9;
+        let eight = get(8, "off");
+        assert_eq!(eight.aggregate_tokens_per_s, 72.0, "the median repetition's figures");
+        assert!(near(eight.aggregate_vs_one, 5.0) && near(eight.decode_vs_one, 5.0));
+        assert!(eight.aggregate_vs_off.is_none(), "drafting off has nothing to compare with");
+        // auto against off in the same repetition: 1.1, 0.9 and 1.11 -> 1.1.
+        assert!(near(get(8, "auto").aggregate_vs_off, 1.1));
+        assert!(near(get(1, "auto").aggregate_vs_off, 1.0) && near(get(1, "off").aggregate_vs_one, 1.0));
+        // Without 1 among the levels there is no single stream to compare with.
+        let rows = summarize_runs(&[8], 1, &runs[1..]);
+        assert!(rows.iter().all(|r| r.aggregate_vs_one.is_none() && r.decode_vs_one.is_none()));
+    }
+
     #[test]
     fn presets_are_valid_pairs_at_real_dimensions() {
         for (preset, layers, hidden) in
@@ -1163,6 +1210,32 @@ fn concurrency_once(
     })
 }
 
+/// The report's rows from `runs[level][mode][repetition]` (modes: drafting off then on, each with the
+/// `joins` joiner settings): per level and mode the median repetition, with its ratios as medians of
+/// the repetitions' own (against the same repetition's plain single stream, if 1 is a level, and for
+/// drafting against the same repetition's run with drafting off and the same joiner).
+fn summarize_runs(levels: &[usize], joins: usize, runs: &[Vec<Vec<ConcurrencyRow>>]) -> Vec<ConcurrencyRow> {
+    let one = levels.iter().position(|&c| c == 1).map(|l| &runs[l][0]);
+    let pairwise = |a: &[ConcurrencyRow], b: &[ConcurrencyRow], f: fn(&ConcurrencyRow) -> f64| {
+        percentile(a.iter().zip(b).map(|(a, b)| f(a) / f(b).max(1e-12)).collect(), 0.5)
+    };
+    let mut rows = Vec::new();
+    for level in runs {
+        for (m, r) in level.iter().enumerate() {
+            let mut row = median_by_aggregate(r);
+            if let Some(one) = one {
+                row.aggregate_vs_one = Some(pairwise(r, one, |r| r.aggregate_tokens_per_s));
+                row.decode_vs_one = Some(pairwise(r, one, |r| r.aggregate_decode_tokens_per_s));
+            }
+            if m >= joins {
+                row.aggregate_vs_off = Some(pairwise(r, &level[m % joins], |r| r.aggregate_tokens_per_s));
+            }
+            rows.push(row);
+        }
+    }
+    rows
+}
+
 /// Every concurrency level with drafting off and (with an assistant) on, `repeats` times, each
 /// repetition running every level and mode once. Each row is the median repetition (by aggregate
 /// throughput); its ratios are the medians of the repetitions' own ratios (each against the same
@@ -1212,26 +1285,7 @@ pub fn run_concurrency(
             }
         }
     }
-    // The plain single-stream runs (mode 0: drafting off, nobody joining), if 1 is a level.
-    let one = opts.levels.iter().position(|&c| c == 1).map(|l| &runs[l][0]);
-    let pairwise = |a: &[ConcurrencyRow], b: &[ConcurrencyRow], f: fn(&ConcurrencyRow) -> f64| {
-        percentile(a.iter().zip(b).map(|(a, b)| f(a) / f(b).max(1e-12)).collect(), 0.5)
-    };
-    let mut rows = Vec::new();
-    for level in &runs {
-        for (m, r) in level.iter().enumerate() {
-            let mut row = median_by_aggregate(r);
-            if let Some(one) = one {
-                row.aggregate_vs_one = Some(pairwise(r, one, |r| r.aggregate_tokens_per_s));
-                row.decode_vs_one = Some(pairwise(r, one, |r| r.aggregate_decode_tokens_per_s));
-            }
-            // A drafting mode against drafting off with the same joiner (modes are drafts × joins).
-            if m >= joins.len() {
-                row.aggregate_vs_off = Some(pairwise(r, &level[m % joins.len()], |r| r.aggregate_tokens_per_s));
-            }
-            rows.push(row);
-        }
-    }
+    let rows = summarize_runs(&opts.levels, joins.len(), &runs);
     Ok(ConcurrencyReport {
         model: name.to_string(),
         prompt_tokens: opts.prompt_tokens,
