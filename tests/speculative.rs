@@ -366,3 +366,17 @@ fn a_conversation_in_one_cache_generates_what_fresh_runs_generate() {
         }
     }
 }
+
+#[test]
+fn a_drafts_confidence_is_its_probability_under_the_drafters_logits() {
+    // Weights 1 : 2 : 1 : 4 over the vocabulary: the argmax has probability one half.
+    let full = DraftLogits::Full(vec![0.0, 2f32.ln(), 0.0, 4f32.ln()]);
+    let (token, p) = full.argmax_and_probability();
+    assert_eq!(token, 3);
+    assert!((p - 0.5).abs() < 1e-6, "{p}");
+    // The centroid head's candidates only; a tie goes to the lowest id, as the draft itself does.
+    let sparse = DraftLogits::Sparse { ids: vec![7, 3, 9], logits: vec![1.0, 1.0, 1.0 - 2f32.ln()] };
+    let (token, p) = sparse.argmax_and_probability();
+    assert_eq!((token, sparse.argmax()), (3, 3));
+    assert!((p - 0.4).abs() < 1e-6, "{p}");
+}

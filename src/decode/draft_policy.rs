@@ -79,7 +79,13 @@ impl DraftPolicy {
     pub fn choose(&mut self, k_max: usize) -> usize {
         match self {
             DraftPolicy::Fixed(k) => (*k).min(k_max),
-            DraftPolicy::Auto(a) => a.choose(k_max.min(AUTO_MAX_DRAFT)),
+            DraftPolicy::Auto(a) => {
+                let k_max = k_max.min(AUTO_MAX_DRAFT).min(a.depth_cap());
+                match a.best_length(k_max) {
+                    0 => 0,
+                    k => (k + CONFIDENT_EXTRA).min(k_max),
+                }
+            }
         }
     }
 
@@ -102,6 +108,39 @@ impl DraftPolicy {
             a.record(drafted, accepted, draft_s, verify_s);
         }
     }
+
+    /// The drafter's confidence in each draft of a round (see [`AutoDraft::record_confidences`]).
+    pub fn record_confidences(&mut self, confidences: &[f32], accepted: usize) {
+        if let DraftPolicy::Auto(a) = self {
+            a.record_confidences(confidences, accepted);
+        }
+    }
+
+    /// After the drafts of a round so far, whose confidences are `confidences`: whether `auto` drafts
+    /// another (always, for a fixed k: the round drafts what it planned).
+    pub fn keep_drafting(&self, confidences: &[f32]) -> bool {
+        match self {
+            DraftPolicy::Auto(a) => a.keep_drafting(confidences),
+            DraftPolicy::Fixed(_) => true,
+        }
+    }
+}
+
+/// Drafts past the length `auto` finds best from acceptance by position: the confidence stop ends a
+/// round early where the next draft would not pay, so the rounds where the drafter is sure go deeper
+/// (docs/speculative.md, "Confidence").
+pub const CONFIDENT_EXTRA: usize = 1;
+
+/// Confidence bins: a draft's confidence (the drafter's probability of the token it drafted) falls in
+/// one of this many equal slices of `0..=1`.
+pub const CONFIDENCE_BINS: usize = 10;
+
+/// The bin of a confidence (anything that is not a number in `0..=1` counts as the nearest end).
+fn confidence_bin(c: f32) -> usize {
+    if c.is_nan() {
+        return 0;
+    }
+    ((c.clamp(0.0, 1.0) * CONFIDENCE_BINS as f32) as usize).min(CONFIDENCE_BINS - 1)
 }
 
 /// Pseudo-count that pulls a position's acceptance estimate towards the position before it (and the
@@ -148,6 +187,10 @@ pub struct AutoDraft {
     probes: usize,
     /// What the first position's estimate is pulled towards before evidence (see `rates`).
     first: f64,
+    /// Per confidence bin: decayed (accepted, reached) counts of the drafts whose confidence fell in it.
+    confidence: [(f64, f64); CONFIDENCE_BINS],
+    /// What each bin's estimate is pulled towards before evidence (see `accept_given`).
+    confidence_prior: [f64; CONFIDENCE_BINS],
 }
 
 impl Default for AutoDraft {
@@ -165,6 +208,10 @@ impl AutoDraft {
             rounds_since_probe: 0,
             probes: 0,
             first: 0.5,
+            confidence: [(0.0, 0.0); CONFIDENCE_BINS],
+            // Before evidence, a draft is taken to be accepted as often as the drafter says it is right:
+            // the bin's middle.
+            confidence_prior: std::array::from_fn(|b| (b as f64 + 0.5) / CONFIDENCE_BINS as f64),
         }
     }
 
@@ -181,6 +228,61 @@ impl AutoDraft {
     /// instead of paying its own exploration; the request's own evidence takes over as it drafts.
     pub fn set_first(&mut self, first: f64) {
         self.first = first;
+    }
+
+    /// Start from what `shared` (every request's evidence together) has learned of the drafter: its
+    /// first position's rate (`set_first`) and its acceptance by confidence, which pull this policy's
+    /// own estimates until its evidence takes over.
+    pub fn set_prior(&mut self, shared: &AutoDraft) {
+        self.first = shared.rates()[0];
+        self.confidence_prior = std::array::from_fn(|b| shared.bin_rate(b));
+    }
+
+    fn bin_rate(&self, b: usize) -> f64 {
+        let (a, n) = self.confidence[b];
+        (a + PRIOR_WEIGHT * self.confidence_prior[b]) / (n + PRIOR_WEIGHT)
+    }
+
+    /// Estimated probability that a draft is accepted, given that every draft before it was and that
+    /// the drafter's confidence in it is `c` (docs/speculative.md, "Confidence").
+    pub fn accept_given(&self, c: f32) -> f64 {
+        self.bin_rate(confidence_bin(c))
+    }
+
+    /// The drafts of a round had `confidences`, and the first `accepted` were accepted: every draft
+    /// that was reached (all before it accepted) counts in its confidence's bin.
+    pub fn record_confidences(&mut self, confidences: &[f32], accepted: usize) {
+        for (i, &c) in confidences.iter().enumerate().take(accepted + 1) {
+            let slot = &mut self.confidence[confidence_bin(c)];
+            let hit = if i < accepted { 1.0 } else { 0.0 };
+            *slot = (DECAY * slot.0 + hit, DECAY * slot.1 + 1.0);
+        }
+    }
+
+    /// Expected tokens that one more draft adds to a round whose drafts so far had `confidences`: the
+    /// probability that all of them are accepted times that the next one is, taken to be as likely as
+    /// the last one (a drafter's confidence runs in stretches). With no drafts yet: the first
+    /// position's rate.
+    pub fn next_draft_value(&self, confidences: &[f32]) -> f64 {
+        let Some(&last) = confidences.last() else {
+            return self.rates()[0];
+        };
+        let reach: f64 = confidences.iter().map(|&c| self.accept_given(c)).product();
+        reach * self.accept_given(last)
+    }
+
+    /// Alone (no batch around it): draft one more token iff what it is expected to add, valued at a
+    /// plain step's time per token, exceeds what it costs: one draft step and one more verify row. With
+    /// the costs not yet measured, yes (the round's k was chosen without them). See
+    /// docs/speculative.md, "Confidence".
+    pub fn keep_drafting(&self, confidences: &[f32]) -> bool {
+        let j = confidences.len();
+        let (Some(step), Some(plain), Some(now), Some(more)) =
+            (self.draft_step_s, self.verify_cost(1), self.verify_cost(j + 1), self.verify_cost(j + 2))
+        else {
+            return true;
+        };
+        self.next_draft_value(confidences) * plain > step + (more - now).max(0.0)
     }
 
     /// Estimated acceptance rate of each position given that it is reached.
@@ -210,9 +312,11 @@ impl AutoDraft {
         Some(raw.min(next_above(&self.verify_s, rows)))
     }
 
-    /// The k in 0..=k_max with the best expected tokens per second. Drafting at all must beat plain steps
-    /// by a clear margin, so timing noise alone never keeps a useless drafter running.
-    fn choose(&mut self, k_max: usize) -> usize {
+    /// The k in 0..=k_max with the best expected tokens per second, from acceptance by position (a
+    /// round then drafts up to [`CONFIDENT_EXTRA`] more, stopping by confidence: `DraftPolicy::choose`).
+    /// Drafting at all must beat plain steps by a clear margin, so timing noise alone never keeps a
+    /// useless drafter running.
+    pub fn best_length(&mut self, k_max: usize) -> usize {
         // First measure a plain step, then a round of one draft.
         if self.verify_s[1].is_none() {
             return 0;
@@ -274,6 +378,14 @@ impl AutoDraft {
 mod tests {
     use super::*;
 
+    /// The length `auto` finds best by position (before its confidence extra, see `DraftPolicy::choose`).
+    fn best(p: &mut DraftPolicy, k_max: usize) -> usize {
+        match p {
+            DraftPolicy::Auto(a) => a.best_length(k_max),
+            DraftPolicy::Fixed(k) => (*k).min(k_max),
+        }
+    }
+
     /// Feed the policy synthetic rounds: `accept(i)` says whether the draft at position i is right,
     /// `verify(rows)` and `draft` are the costs in seconds. Returns the k chosen in each round.
     fn simulate(
@@ -285,7 +397,7 @@ mod tests {
         let mut a = DraftPolicy::from(DraftLength::Auto);
         (0..rounds)
             .map(|_| {
-                let k = a.choose(8);
+                let k = best(&mut a, 8);
                 let accepted = (0..k).take_while(|&i| accept(i)).count();
                 a.record(k, accepted, draft * k as f64, verify(k + 1));
                 k
@@ -364,7 +476,7 @@ mod tests {
         let mut a = DraftPolicy::from(DraftLength::Auto);
         let ks: Vec<usize> = (0..400)
             .map(|_| {
-                let k = a.choose(8);
+                let k = best(&mut a, 8);
                 let accepted = (0..k).take_while(|_| coin()).count();
                 a.record(k, accepted, 0.0003 * k as f64, 0.010 * (1.0 + 0.04 * k as f64));
                 k
@@ -383,7 +495,7 @@ mod tests {
         let mut a = DraftPolicy::from(DraftLength::Auto);
         let ks: Vec<usize> = (0..300)
             .map(|round| {
-                let k = a.choose(8);
+                let k = best(&mut a, 8);
                 let accepted = (0..k).take_while(|&i| i < 4).count();
                 let stall = if round == 60 { 20.0 } else { 1.0 };
                 a.record(k, accepted, 0.0003 * k as f64, stall * 0.010 * (1.0 + 0.1 * k as f64));
@@ -406,5 +518,76 @@ mod tests {
         // A new request starts with the learned policy: no warm-up plain step.
         assert!(p.choose(8) >= 6);
         assert_eq!(DraftPolicy::from(DraftLength::Fixed(5)).choose(3), 3);
+    }
+    /// Rounds of a drafter whose confidence says how likely its draft is right: each draft's confidence
+    /// is pseudo-random in 0..1 and the draft is right with probability √confidence (drafters tend to
+    /// be underconfident). A round costs 1.2 ms per draft plus a verify of 10 ms and 1.5 ms per extra
+    /// row (about the shipped pair's proportions). Returns tokens per second over the last three
+    /// quarters of `rounds`.
+    fn confident_drafter(setting: DraftLength, rounds: usize) -> f64 {
+        let verify = |rows: usize| 0.010 * (1.0 + 0.15 * (rows - 1) as f64);
+        let draft = 0.0012;
+        let mut state = 987_654_321u64;
+        let mut uniform = move || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let mut p = DraftPolicy::from(setting);
+        let (mut tokens, mut time) = (0.0, 0.0);
+        for round in 0..rounds {
+            let cap = p.choose(8);
+            let mut confidences: Vec<f32> = Vec::new();
+            let mut rejected = None;
+            while confidences.len() < cap {
+                let c = uniform() as f32;
+                if rejected.is_none() && uniform() >= f64::from(c).sqrt() {
+                    rejected = Some(confidences.len());
+                }
+                confidences.push(c);
+                if confidences.len() < cap && !p.keep_drafting(&confidences) {
+                    break;
+                }
+            }
+            let k = confidences.len();
+            let accepted = rejected.unwrap_or(k);
+            p.record(k, accepted, draft * k as f64, verify(k + 1));
+            p.record_confidences(&confidences, accepted);
+            if round >= rounds / 4 {
+                tokens += (accepted + 1) as f64;
+                time += draft * k as f64 + verify(k + 1);
+            }
+        }
+        tokens / time
+    }
+
+    #[test]
+    fn stopping_on_the_drafters_confidence_beats_every_fixed_length() {
+        let fixed: Vec<f64> = (1..=8).map(|k| confident_drafter(DraftLength::Fixed(k), 4000)).collect();
+        let best = fixed.iter().copied().fold(0.0, f64::max);
+        let auto = confident_drafter(DraftLength::Auto, 4000);
+        assert!(auto > 1.03 * best, "auto {auto:.1} tokens/s, fixed k = 1..8: {fixed:.1?}");
+    }
+
+    #[test]
+    fn confident_drafts_go_on_and_doubtful_ones_stop() {
+        let mut p = AutoDraft::new();
+        // Costs: a plain step 10 ms, 0.5 ms per extra verify row, 0.3 ms per draft. Drafts the drafter is
+        // sure of (0.95) are right, doubtful ones (0.15) wrong.
+        for _ in 0..50 {
+            p.record(0, 0, 0.0, 0.010);
+            p.record(3, 2, 0.0009, 0.011);
+            p.record_confidences(&[0.95, 0.95, 0.15], 2);
+        }
+        assert!(p.accept_given(0.95) > 0.9 && p.accept_given(0.15) < 0.1, "{p:?}");
+        assert!(p.keep_drafting(&[0.95, 0.95]));
+        assert!(!p.keep_drafting(&[0.95, 0.15]));
+        // A bin without evidence starts from its middle: a drafter that says 35 % is taken at its word.
+        assert!((p.accept_given(0.35) - 0.35).abs() < 1e-9);
+        // What a new request starts from: the shared evidence.
+        let mut fresh = AutoDraft::new();
+        fresh.set_prior(&p);
+        assert!(fresh.accept_given(0.95) > 0.9 && fresh.accept_given(0.15) < 0.1);
+        // Until costs are measured, a round drafts what it planned.
+        assert!(AutoDraft::new().keep_drafting(&[0.01]));
     }
 }

@@ -41,6 +41,9 @@ struct Draft {
     token: u32,
     /// Sampling only: (token, probability) of q's support.
     q: Vec<(u32, f32)>,
+    /// The drafter's probability of `token` (greedy: of its argmax under its raw logits; sampling:
+    /// under q). `auto` stops drafting on it (docs/speculative.md, "Confidence").
+    confidence: f32,
 }
 
 pub struct Sequence {
@@ -67,8 +70,9 @@ pub struct Sequence {
     drafts: Vec<Draft>,
     draft_h: Vec<f32>,
     draft_s: f64,
-    /// The last verified round: (drafted, accepted, seconds of drafting).
+    /// The last verified round: (drafted, accepted, seconds of drafting), and its drafts' confidences.
     last_round: (usize, usize, f64),
+    last_confidences: Vec<f32>,
     t_start: Instant,
     t_decode: Option<Instant>,
 }
@@ -111,6 +115,7 @@ impl Sequence {
             draft_h: Vec::new(),
             draft_s: 0.0,
             last_round: (0, 0, 0.0),
+            last_confidences: Vec::new(),
             t_start: Instant::now(),
             t_decode: None,
         })
@@ -274,7 +279,8 @@ impl Sequence {
     pub fn add_draft(&mut self, step: DraftStep, seconds: f64) -> Result<()> {
         check_draft(&step.logits, self.vocab, self.gen.tokens.len() + self.drafts.len() + 1)?;
         let d = if self.greedy {
-            Draft { token: step.logits.argmax(), q: Vec::new() }
+            let (token, confidence) = step.logits.argmax_and_probability();
+            Draft { token, q: Vec::new(), confidence }
         } else {
             // The repetition penalty sees the drafts so far, as the target will.
             sample_draft(&mut self.sampler, &step.logits, &self.history)
@@ -284,6 +290,17 @@ impl Sequence {
         self.draft_h = step.hidden;
         self.draft_s += seconds;
         Ok(())
+    }
+
+    /// The drafter's confidence in each draft of the round so far.
+    pub fn draft_confidences(&self) -> Vec<f32> {
+        self.drafts.iter().map(|d| d.confidence).collect()
+    }
+
+    /// End the round's drafting here: the drafts so far are verified (`auto` decided that one more
+    /// would not pay, docs/speculative.md, "Confidence").
+    pub fn stop_drafting(&mut self) {
+        self.k = self.drafts.len();
     }
 
     /// The rows of this round's target forward: the last committed token, then the drafts (`Keep::All`).
@@ -355,8 +372,10 @@ impl Sequence {
         }
         cache.rollback(k - accepted)?;
         self.h = out.hidden_row(accepted).to_vec();
+        self.last_confidences = self.draft_confidences();
         if let Some(p) = policy {
             p.record(k, accepted, self.draft_s, verify_s);
+            p.record_confidences(&self.last_confidences, accepted);
         }
         if let (Some(spec), true) = (self.spec.as_mut(), k > 0) {
             spec.draft_seconds += self.draft_s;
@@ -383,6 +402,11 @@ impl Sequence {
     /// The last verified round: (drafts, accepted drafts, seconds spent drafting them).
     pub fn last_round(&self) -> (usize, usize, f64) {
         self.last_round
+    }
+
+    /// The drafter's confidence in each draft of the last verified round.
+    pub fn last_confidences(&self) -> &[f32] {
+        &self.last_confidences
     }
 
     pub fn generation(&self) -> &Generation {
@@ -427,7 +451,7 @@ fn sample_draft(sampler: &mut Sampler, logits: &DraftLogits, history: &[u32]) ->
             let q = sampler.probs(l, history);
             let token = sampler.sample_from(&q);
             let support = q.iter().enumerate().filter(|(_, &p)| p > 0.0).map(|(i, &p)| (i as u32, p)).collect();
-            Draft { token, q: support }
+            Draft { token, q: support, confidence: q[token as usize] }
         }
         DraftLogits::Sparse { ids, logits } => {
             // Run the processors on the candidates alone, with the history mapped to candidate indices.
@@ -436,7 +460,7 @@ fn sample_draft(sampler: &mut Sampler, logits: &DraftLogits, history: &[u32]) ->
             let q = sampler.probs(logits, &local_history);
             let pick = sampler.sample_from(&q) as usize;
             let support = ids.iter().zip(&q).filter(|(_, &p)| p > 0.0).map(|(&t, &p)| (t, p)).collect();
-            Draft { token: ids[pick], q: support }
+            Draft { token: ids[pick], q: support, confidence: q[pick] }
         }
     }
 }
@@ -469,13 +493,18 @@ pub fn run_alone<D: Drafter + ?Sized>(
                 seq.commit(&mut on_tokens);
             }
             Phase::Ready => {
-                let k = seq.plan(policy.as_deref_mut());
+                seq.plan(policy.as_deref_mut());
                 if let Some(d) = drafter {
-                    for _ in 0..k {
+                    while seq.drafts_wanted() > 0 {
                         let t = Instant::now();
                         let (token, h, p) = seq.draft_input();
                         let step = d.draft_step(target, cache, token, h, p);
                         seq.add_draft(step, t.elapsed().as_secs_f64())?;
+                        if seq.drafts_wanted() > 0
+                            && !policy.as_deref().is_none_or(|p| p.keep_drafting(&seq.draft_confidences()))
+                        {
+                            seq.stop_drafting();
+                        }
                     }
                 }
                 let t = Instant::now();

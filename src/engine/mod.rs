@@ -23,7 +23,7 @@ use anyhow::{anyhow, bail, Result};
 use serde_json::json;
 
 use crate::config::{KvMode, LayerType};
-use crate::decode::draft_policy::{DraftLength, DraftPolicy, AUTO_MAX_DRAFT, MAX_DRAFT};
+use crate::decode::draft_policy::{DraftLength, DraftPolicy, AUTO_MAX_DRAFT, CONFIDENT_EXTRA, MAX_DRAFT};
 use crate::decode::generate::{Flow, GenerateOptions, Generation, TokenLogprob, PREFILL_CHUNK};
 use crate::decode::sequence::{Phase, Sequence};
 use crate::decode::speculative::{Drafter, SpecStats};
@@ -381,6 +381,10 @@ pub struct Scheduler<'m> {
     /// What every `auto` request taught about the drafter's acceptance: a new `auto` request starts from
     /// it instead of from nothing (a useless drafter is not re-tried by every request).
     shared_auto: DraftPolicy,
+    /// Planned steps since an `auto` sequence last drafted: past `PROBE_IDLE_EVERY`, every `auto`
+    /// sequence of the next plan drafts one token, so that a drafter that looked useless to short
+    /// requests (which never reach their own probe) is tried again.
+    auto_idle_steps: usize,
     /// Requests admitted so far (each `Active` keeps its number: the order of arrival).
     admitted: u64,
 }
@@ -395,6 +399,7 @@ impl<'m> Scheduler<'m> {
             pool: Vec::new(),
             costs: plan::Costs::default(),
             shared_auto: DraftLength::Auto.into(),
+            auto_idle_steps: 0,
             admitted: 0,
         }
     }
@@ -579,6 +584,7 @@ impl<'m> Scheduler<'m> {
                         failed.push((i, format!("{e:#}")));
                     }
                 }
+                self.stop_unpaid_drafts(depth + 1, &failed);
             }
         }
         for a in self.active.iter().enumerate().filter(|(_, a)| a.seq.phase() == Phase::Ready) {
@@ -625,6 +631,7 @@ impl<'m> Scheduler<'m> {
                             if r.is_ok() && p.auto().is_some() {
                                 let (k, accepted, draft_s) = a.seq.last_round();
                                 self.shared_auto.record(k, accepted, draft_s, secs);
+                                self.shared_auto.record_confidences(a.seq.last_confidences(), accepted);
                             }
                         }
                         if let Err(e) = r {
@@ -734,10 +741,11 @@ impl<'m> Scheduler<'m> {
         // A sequence's estimates start from what every request has measured of this drafter so far
         // (`shared_auto`), so that many requests starting together do not each explore a useless drafter
         // (here and in their own policies' choice below, before the step costs are known).
-        let first = self.shared_auto.auto().map_or(0.5, |s| s.rates()[0]);
-        for &i in auto {
-            if let Some(DraftPolicy::Auto(p)) = self.active[i].policy.as_mut() {
-                p.set_first(first);
+        if let Some(shared) = self.shared_auto.auto() {
+            for &i in auto {
+                if let Some(DraftPolicy::Auto(p)) = self.active[i].policy.as_mut() {
+                    p.set_prior(shared);
+                }
             }
         }
         let cands: Vec<plan::Candidate> = auto
@@ -748,22 +756,74 @@ impl<'m> Scheduler<'m> {
                 plan::Candidate {
                     rates: auto.map_or([0.0; AUTO_MAX_DRAFT], |p| p.rates()),
                     k_max: a.seq.draft_room(auto.map_or(AUTO_MAX_DRAFT, |p| p.depth_cap())),
-                    probe: a.idle_rounds >= PROBE_IDLE_EVERY,
+                    probe: a.idle_rounds >= PROBE_IDLE_EVERY || self.auto_idle_steps >= PROBE_IDLE_EVERY,
                 }
             })
             .collect();
         let chosen = plan::choose(&self.costs, base_rows, base_tokens, &fixed_depth, &cands);
+        if let Some(ks) = &chosen {
+            self.auto_idle_steps = if ks.iter().any(|&k| k > 0) { 0 } else { self.auto_idle_steps + 1 };
+        }
         for (j, &i) in auto.iter().enumerate() {
             let a = &mut self.active[i];
             let k = match &chosen {
                 Some(ks) => {
+                    // One draft past the planned length: the confidence stop (`stop_unpaid_drafts`)
+                    // ends the rounds where it would not pay (docs/engine.md, "Confidence under load").
                     let longer = ks[j] > 0 && a.rounds % PROBE_LONGER_EVERY == PROBE_LONGER_EVERY - 1;
-                    a.seq.begin_round((ks[j] + usize::from(longer)).min(cands[j].k_max))
+                    let extra = if ks[j] > 0 { CONFIDENT_EXTRA + usize::from(longer) } else { 0 };
+                    a.seq.begin_round((ks[j] + extra).min(cands[j].k_max))
                 }
                 None => a.seq.plan(a.policy.as_mut()),
             };
             a.rounds += 1;
             a.idle_rounds = if k == 0 { a.idle_rounds + 1 } else { 0 };
+        }
+    }
+
+    /// After the draft step before draft position `depth`: the `auto` sequences whose next draft would
+    /// not pay for itself stop drafting this round (`plan::keep_drafting`, from the drafter's confidence
+    /// in their drafts so far; before the step costs are known, each sequence's own policy decides).
+    fn stop_unpaid_drafts(&mut self, depth: usize, failed: &[(usize, String)]) {
+        let ready: Vec<usize> = (0..self.active.len())
+            .filter(|&i| self.active[i].seq.phase() == Phase::Ready && !failed.iter().any(|f| f.0 == i))
+            .collect();
+        let (mut rows, mut fixed_next) = (0, 0);
+        let (mut cands, mut values) = (Vec::new(), Vec::new());
+        for &i in &ready {
+            let a = &self.active[i];
+            let (made, wanted) = (a.seq.draft_confidences().len(), a.seq.drafts_wanted());
+            match a.policy.as_ref().and_then(|p| p.auto()) {
+                Some(auto) => {
+                    rows += 1 + made;
+                    if wanted > 0 {
+                        cands.push(i);
+                        values.push(auto.next_draft_value(&a.seq.draft_confidences()));
+                    }
+                }
+                None => {
+                    rows += 1 + made + wanted;
+                    fixed_next += usize::from(wanted > 0);
+                }
+            }
+        }
+        if cands.is_empty() {
+            return;
+        }
+        let keep =
+            plan::keep_drafting(&self.costs, rows, ready.len(), fixed_next, depth, &values).unwrap_or_else(|| {
+                cands
+                    .iter()
+                    .map(|&i| {
+                        let a = &self.active[i];
+                        a.policy.as_ref().is_none_or(|p| p.keep_drafting(&a.seq.draft_confidences()))
+                    })
+                    .collect()
+            });
+        for (&i, k) in cands.iter().zip(keep) {
+            if !k {
+                self.active[i].seq.stop_drafting();
+            }
         }
     }
 

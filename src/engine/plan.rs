@@ -150,6 +150,49 @@ impl Costs {
     }
 }
 
+/// After a draft step, which of the `auto` sequences that may draft one more (at draft position
+/// `depth`, 1 or more) should (docs/engine.md, "Confidence under load"). `values[i]` is the tokens
+/// one more draft is expected to add to sequence i's round (`AutoDraft::next_draft_value`); `rows`
+/// the step's logit rows so far, `plain_rows` the rows it would have without any drafts (one per
+/// decoding sequence), and `fixed_next` the sequences with a fixed k drafting at `depth` anyway.
+/// A token is worth what a plain step spends per token; a sequence drafts on iff its expected tokens,
+/// so valued, exceed its share of the next draft step plus its extra forward row, with the shares
+/// taken over the sequences that go on (recomputed until no more drop out). `None` (no one stops)
+/// until the costs this needs are measured.
+pub fn keep_drafting(
+    costs: &Costs,
+    rows: usize,
+    plain_rows: usize,
+    fixed_next: usize,
+    depth: usize,
+    values: &[f64],
+) -> Option<Vec<bool>> {
+    // Below the smallest row count measured (sequences that draft never step with one row each), that
+    // count's cost: fewer rows cost no more.
+    let per_token = lookup_or_above(&costs.forward.est, plain_rows)? / plain_rows.max(1) as f64;
+    let now = costs.forward(rows)?;
+    let draft_fixed = if fixed_next > 0 { costs.draft(depth, fixed_next)? } else { 0.0 };
+    let mut keep: Vec<bool> = values.iter().map(|&v| v > 0.0).collect();
+    loop {
+        let n = keep.iter().filter(|&&k| k).count();
+        if n == 0 {
+            return Some(keep);
+        }
+        let draft_share = (costs.draft(depth, fixed_next + n)? - draft_fixed).max(0.0) / n as f64;
+        let row_share = (costs.forward(rows + n)? - now).max(0.0) / n as f64;
+        let mut dropped = false;
+        for (k, &v) in keep.iter_mut().zip(values) {
+            if *k && v * per_token <= draft_share + row_share {
+                *k = false;
+                dropped = true;
+            }
+        }
+        if !dropped {
+            return Some(keep);
+        }
+    }
+}
+
 /// An `auto` sequence ready for a round.
 pub struct Candidate {
     /// Acceptance rate of each draft position given that it is reached.
@@ -419,5 +462,24 @@ mod tests {
         assert_eq!(c.forward(5), Some(1.5));
         assert_eq!(c.forward(17), Some(3.0));
         assert_eq!(Costs::default().forward(3), None);
+    }
+    #[test]
+    fn a_draft_goes_on_when_its_expected_tokens_pay_for_its_share_of_the_step() {
+        // A plain step of 2 sequences costs 13 ms (6.5 ms a token); a draft step 1 ms + 0.1 ms a
+        // sequence; a row 1.5 ms. Both sequences have drafted once (4 rows).
+        let c = costs(0.010, 0.0015, 0.001, 0.0001);
+        // 0.9 token (5.85 ms of plain decoding) pays for a row and a share of a draft step; 0.05 does not.
+        assert_eq!(keep_drafting(&c, 4, 2, 0, 1, &[0.9, 0.05]), Some(vec![true, false]));
+        // On a machine where rows are dear (compute-bound), even the confident draft stops...
+        let dear = costs(0.002, 0.008, 0.001, 0.0001);
+        assert_eq!(keep_drafting(&dear, 4, 2, 0, 1, &[0.9, 0.05]), Some(vec![false, false]));
+        // ... and where a draft step is dear, two sequences that share it go on where one alone would not.
+        let steps = costs(0.010, 0.0001, 0.006, 0.0001);
+        assert_eq!(keep_drafting(&steps, 4, 2, 0, 1, &[0.7, 0.7]), Some(vec![true, true]));
+        assert_eq!(keep_drafting(&steps, 4, 2, 0, 1, &[0.7]), Some(vec![false]));
+        // A sequence with a fixed k drafts at this depth anyway: the step is paid for.
+        assert_eq!(keep_drafting(&steps, 4, 2, 1, 1, &[0.7]), Some(vec![true]));
+        // Nothing measured yet: no one is stopped here.
+        assert_eq!(keep_drafting(&Costs::default(), 4, 2, 0, 1, &[0.05]), None);
     }
 }

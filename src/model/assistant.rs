@@ -58,6 +58,21 @@ impl DraftLogits {
         }
     }
 
+    /// The greedy draft ([`DraftLogits::argmax`]) and its probability under the softmax of these logits
+    /// (the centroid head's: among its candidates): the drafter's confidence in it, which `auto` uses to
+    /// stop drafting (docs/speculative.md, "Confidence"). The logits must be finite.
+    pub fn argmax_and_probability(&self) -> (u32, f32) {
+        let values = match self {
+            DraftLogits::Full(l) => l,
+            DraftLogits::Sparse { logits, .. } => logits,
+        };
+        let m = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut e = vec![0f32; values.len()];
+        kernels::exp_shifted(values, m, &mut e);
+        let z: f64 = e.iter().map(|&x| f64::from(x)).sum();
+        (self.argmax(), if z > 0.0 { (1.0 / z) as f32 } else { 0.0 })
+    }
+
     /// The vocabulary-sized logits transformers returns: non-candidates hold `min(candidates) − 1`.
     pub fn to_full(&self, vocab: usize, dt: DType) -> Vec<f32> {
         match self {
