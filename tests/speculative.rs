@@ -380,3 +380,49 @@ fn a_drafts_confidence_is_its_probability_under_the_drafters_logits() {
     assert_eq!((token, sparse.argmax()), (3, 3));
     assert!((p - 0.4).abs() < 1e-6, "{p}");
 }
+
+/// [`Oracle`]'s proposals with an honest confidence: a right draft has probability 0.95 among its
+/// candidates (one other, 3 logits below), a wrong one 0.1 (nine others, 0.01 below).
+struct Honest(Oracle);
+
+impl Drafter for Honest {
+    fn draft_step(&self, t: &TargetModel, c: &KvCache, token: u32, h: &[f32], p: usize) -> DraftStep {
+        let step = self.0.draft_step(t, c, token, h, p);
+        let DraftLogits::Sparse { ids, .. } = &step.logits else { unreachable!("the oracle drafts sparse logits") };
+        let draft = ids[0];
+        let at = p + self.0.state.borrow().1;
+        let right = self.0.truth.get(at).copied().unwrap_or(5) == draft;
+        let others = if right { 1 } else { 9 };
+        let ids: Vec<u32> = (0..=others).map(|i| (draft + i) % 256).collect();
+        let below = if right { 3.0 } else { 0.01 };
+        let logits = (0..=others).map(|i| if i == 0 { below } else { 0.0 }).collect();
+        DraftStep { logits: DraftLogits::Sparse { ids, logits }, hidden: step.hidden }
+    }
+}
+
+#[test]
+fn auto_stops_a_round_after_a_draft_its_drafter_doubts() {
+    // A drafter wrong 30 % of the time that says so (confidence 0.1 against 0.95): once `auto` has
+    // learned that, a round rarely drafts on past a doubtful draft, where a fixed k always does; the
+    // output is plain greedy's either way.
+    let target = TargetModel::load(&fixture_dir("t1-f32")).unwrap();
+    let prompt: Vec<u32> = vec![2, 17, 33, 90, 121, 7];
+    let o = opts(240, SamplingParams::default());
+    let plain = generate(&target, &prompt, &o, |_| {}).unwrap().tokens;
+    let mut truth = prompt.clone();
+    truth.extend(&plain);
+    let past_a_miss = |dl: DraftLength| {
+        let drafter = Honest(Oracle::new(truth.clone(), 0.3, 5));
+        let (g, stats) = generate_speculative(&target, &drafter, &prompt, &o, &mut dl.into(), true, |_| {}).unwrap();
+        assert_eq!(g.tokens, plain, "{dl:?}");
+        let rounds = stats.rounds.unwrap();
+        let late = &rounds[rounds.len() / 4..];
+        let on = late.iter().filter(|r| r.accepted + 1 < r.drafted.len()).count();
+        (on, late.len())
+    };
+    let (fixed_on, fixed_n) = past_a_miss(DraftLength::Fixed(6));
+    let (auto_on, auto_n) = past_a_miss(DraftLength::Auto);
+    println!("drafting on past a miss: fixed 6 {fixed_on}/{fixed_n}, auto {auto_on}/{auto_n}");
+    assert!(fixed_on * 3 >= fixed_n, "fixed k = 6 drafted past a miss in only {fixed_on} of {fixed_n} rounds");
+    assert!(auto_on * 10 <= auto_n, "auto drafted past a doubtful draft in {auto_on} of {auto_n} rounds");
+}
