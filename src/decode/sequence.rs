@@ -41,8 +41,9 @@ struct Draft {
     token: u32,
     /// Sampling only: (token, probability) of q's support.
     q: Vec<(u32, f32)>,
-    /// The drafter's probability of `token` (greedy: of its argmax under its raw logits; sampling:
-    /// under q). `auto` stops drafting on it (docs/speculative.md, "Confidence").
+    /// The drafter's probability of `token` (greedy: of its argmax under its raw logits, NaN when the
+    /// policy is not `auto`; sampling: under q). `auto` stops drafting on it (docs/speculative.md,
+    /// "Confidence").
     confidence: f32,
 }
 
@@ -73,6 +74,9 @@ pub struct Sequence {
     /// The last verified round: (drafted, accepted, seconds of drafting), and its drafts' confidences.
     last_round: (usize, usize, f64),
     last_confidences: Vec<f32>,
+    /// Greedy drafts' confidence is computed only for `auto`, which uses it (a softmax over the
+    /// drafter's logits: a whole vocabulary for the tied head); otherwise it is NaN.
+    wants_confidence: bool,
     t_start: Instant,
     t_decode: Option<Instant>,
 }
@@ -116,6 +120,7 @@ impl Sequence {
             draft_s: 0.0,
             last_round: (0, 0, 0.0),
             last_confidences: Vec::new(),
+            wants_confidence: draft.is_some_and(|p| p.auto().is_some()),
             t_start: Instant::now(),
             t_decode: None,
         })
@@ -279,7 +284,11 @@ impl Sequence {
     pub fn add_draft(&mut self, step: DraftStep, seconds: f64) -> Result<()> {
         check_draft(&step.logits, self.vocab, self.gen.tokens.len() + self.drafts.len() + 1)?;
         let d = if self.greedy {
-            let (token, confidence) = step.logits.argmax_and_probability();
+            let (token, confidence) = if self.wants_confidence {
+                step.logits.argmax_and_probability()
+            } else {
+                (step.logits.argmax(), f32::NAN)
+            };
             Draft { token, q: Vec::new(), confidence }
         } else {
             // The repetition penalty sees the drafts so far, as the target will.
