@@ -135,7 +135,7 @@ pub const CONFIDENT_EXTRA: usize = 1;
 /// one of this many equal slices of `0..=1`.
 pub const CONFIDENCE_BINS: usize = 10;
 
-/// The bin of a confidence (anything that is not a number in `0..=1` counts as the nearest end).
+/// The bin of a confidence (values outside `0..=1` count as the nearest end, NaN as 0).
 fn confidence_bin(c: f32) -> usize {
     if c.is_nan() {
         return 0;
