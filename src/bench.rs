@@ -722,6 +722,9 @@ pub struct PairOptions {
     pub prompts: std::path::PathBuf,
     pub draft: crate::decode::draft_policy::DraftLength,
     pub max_new_tokens: usize,
+    /// Passes over the prompts (each prompt plain, then with drafting, in every pass); the speed-up
+    /// reported is the median of the passes' own.
+    pub repeats: usize,
     /// Quantize at load (`--quantize`).
     pub quant: crate::quantize::LoadQuant,
 }
@@ -733,7 +736,10 @@ pub struct PairReport {
     pub draft_tokens: String,
     pub plain_decode_tokens_per_s: f64,
     pub speculative_decode_tokens_per_s: f64,
+    /// The median of `speedup_by_repetition`.
     pub speedup: f64,
+    /// Each pass's plain decode time over its speculative decode time.
+    pub speedup_by_repetition: Vec<f64>,
     pub mean_accepted_per_round: f64,
     pub acceptance_rate: f64,
     /// Share of rounds whose i-th draft was accepted.
@@ -826,7 +832,14 @@ impl PairReport {
             self.prompts, self.generated_tokens, self.draft_tokens
         );
         s += &format!("plain decode:       {:.1} tok/s\n", self.plain_decode_tokens_per_s);
-        s += &format!("speculative decode: {:.1} tok/s ({:.2}x)\n", self.speculative_decode_tokens_per_s, self.speedup);
+        s += &format!("speculative decode: {:.1} tok/s ({:.2}x", self.speculative_decode_tokens_per_s, self.speedup);
+        let passes = &self.speedup_by_repetition;
+        if passes.len() > 1 {
+            let lo = passes.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = passes.iter().copied().fold(0.0, f64::max);
+            s += &format!(", the median of {} passes: {lo:.2}x-{hi:.2}x", passes.len());
+        }
+        s += ")\n";
         s += &format!(
             "accepted drafts: {:.2} per round ({:.0}% of drafts)\nacceptance by position:",
             self.mean_accepted_per_round,
@@ -899,27 +912,34 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     let mut policy = Some(crate::decode::draft_policy::DraftPolicy::from(opts.draft));
     // A warm-up request: the first pass over the files' pages pays for mapping them.
     engine_run(&models, &prompts[0], 2, None)?;
-    for (i, p) in prompts.iter().enumerate() {
-        log(&format!("prompt {}/{}", i + 1, prompts.len()));
-        let plain = engine_run(&models, p, opts.max_new_tokens, None)?;
-        let spec = engine_run(&models, p, opts.max_new_tokens, policy.take())?;
-        policy = spec.policy;
-        let stats = spec.spec.unwrap_or_default();
-        identical &= plain.tokens == spec.tokens;
-        // Decode speed on the same tokens: the plain run's count after its first token.
-        plain_s += plain.decode_s;
-        spec_s += spec.decode_s;
-        tokens += plain.decode_tokens;
-        rounds += stats.draft_rounds;
-        drafted += stats.drafted_tokens;
-        accepted += stats.accepted_tokens;
-        draft_s += stats.draft_seconds;
-        if by_position.len() < stats.accepted_per_position.len() {
-            by_position.resize(stats.accepted_per_position.len(), 0);
+    let repeats = opts.repeats.max(1);
+    let mut by_repetition = Vec::with_capacity(repeats);
+    for rep in 0..repeats {
+        let (rep_plain, rep_spec) = (plain_s, spec_s);
+        for (i, p) in prompts.iter().enumerate() {
+            let pass = if repeats > 1 { format!(", pass {}/{repeats}", rep + 1) } else { String::new() };
+            log(&format!("prompt {}/{}{pass}", i + 1, prompts.len()));
+            let plain = engine_run(&models, p, opts.max_new_tokens, None)?;
+            let spec = engine_run(&models, p, opts.max_new_tokens, policy.take())?;
+            policy = spec.policy;
+            let stats = spec.spec.unwrap_or_default();
+            identical &= plain.tokens == spec.tokens;
+            // Decode speed on the same tokens: the plain run's count after its first token.
+            plain_s += plain.decode_s;
+            spec_s += spec.decode_s;
+            tokens += plain.decode_tokens;
+            rounds += stats.draft_rounds;
+            drafted += stats.drafted_tokens;
+            accepted += stats.accepted_tokens;
+            draft_s += stats.draft_seconds;
+            if by_position.len() < stats.accepted_per_position.len() {
+                by_position.resize(stats.accepted_per_position.len(), 0);
+            }
+            for (a, b) in by_position.iter_mut().zip(&stats.accepted_per_position) {
+                *a += b;
+            }
         }
-        for (a, b) in by_position.iter_mut().zip(&stats.accepted_per_position) {
-            *a += b;
-        }
+        by_repetition.push((plain_s - rep_plain) / (spec_s - rep_spec).max(1e-9));
     }
     let per_round = |n: usize| if rounds > 0 { n as f64 / rounds as f64 } else { 0.0 };
     let draft_step = if drafted > 0 { draft_s / drafted as f64 } else { 0.0 };
@@ -935,11 +955,12 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     };
     Ok(PairReport {
         prompts: prompts.len(),
-        generated_tokens: tokens + prompts.len(),
+        generated_tokens: tokens / repeats + prompts.len(),
         draft_tokens: opts.draft.to_string(),
         plain_decode_tokens_per_s: tokens as f64 / plain_s.max(1e-9),
         speculative_decode_tokens_per_s: tokens as f64 / spec_s.max(1e-9),
-        speedup: plain_s / spec_s.max(1e-9),
+        speedup: median(by_repetition.clone()),
+        speedup_by_repetition: by_repetition,
         mean_accepted_per_round: per_round(accepted),
         acceptance_rate: if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
         acceptance_by_position: by_position.iter().map(|&n| per_round(n)).collect(),

@@ -197,7 +197,8 @@ struct BenchArgs {
     #[arg(long, value_name = "LEVELS")]
     concurrency: Option<String>,
     /// --concurrency: repetitions, each running every level and mode once (the median repetition
-    /// reported, and each ratio as the median of the repetitions' own).
+    /// reported, and each ratio as the median of the repetitions' own). --pair: passes over the
+    /// prompts, each prompt plain then with drafting (the speed-up the median of the passes' own).
     #[arg(long, allow_hyphen_values = true, default_value_t = 3)]
     repeats: usize,
     /// --concurrency: measure plain decoding only.
@@ -972,6 +973,9 @@ fn run_bench(args: BenchArgs, threads: usize, quant: LoadQuant) -> Result<()> {
     if args.prompts.is_some() && !args.pair && args.concurrency.is_none() {
         bail!("--prompts goes with --pair or --concurrency");
     }
+    if args.repeats == 0 {
+        bail!("--repeats must be at least 1");
+    }
     if let Some(levels) = &args.concurrency {
         return run_concurrency_bench(&args, levels, quant);
     }
@@ -983,6 +987,7 @@ fn run_bench(args: BenchArgs, threads: usize, quant: LoadQuant) -> Result<()> {
             prompts: args.prompts.unwrap_or_else(|| dir.join("heldout_prompts.json")),
             draft: DraftLength::parse(args.draft_tokens.as_deref().unwrap_or("4"))?,
             max_new_tokens: args.max_new_tokens,
+            repeats: args.repeats,
             quant,
         };
         let report = bench::run_pair(&opts, |msg| say!("{msg}"))?;

@@ -167,6 +167,7 @@ fn bad_arguments_fail_cleanly() {
     threads.extend(gen_args(&dir, &[]));
     expect_error(&threads, "--threads must be at most 1024");
     expect_error(&["bench".into(), "--layers".into(), "100".into()], "at most 35");
+    expect_error(&["bench".into(), "--pair".into(), "--repeats".into(), "0".into()], "--repeats must be at least 1");
     expect_error(&gen_args(&dir, &["--system", "hi"]), "--system needs --chat");
     expect_error(&gen_args(&dir, &["--thinking"]), "--thinking needs --chat");
 }
@@ -333,6 +334,12 @@ fn pair_bench_reports_acceptance_and_identical_output() {
         assert!(v[key].is_number(), "{key}");
     }
     assert_eq!(v["acceptance_by_position"].as_array().unwrap().len(), 4);
+    // Three passes by default: the speed-up is the median of theirs.
+    let mut passes: Vec<f64> =
+        v["speedup_by_repetition"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    assert_eq!(passes.len(), 3);
+    passes.sort_by(f64::total_cmp);
+    assert_eq!(v["speedup"].as_f64().unwrap(), passes[1]);
     // Bad prompt files are one-line errors.
     std::fs::write(&prompts, r#"[{"text": "no ids"}]"#).unwrap();
     let (code, _, err) = tandem(&args);
