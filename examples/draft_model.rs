@@ -82,17 +82,21 @@ fn run(
             })
             .collect::<Result<_, _>>()?;
         let mut done = 0;
+        // Whether each request has its first token (from its prompt's prefill): the steps before all
+        // have are prefill, which costs the same whatever the draft setting and is left out.
+        let mut started = vec![false; handles.len()];
         while done < handles.len() {
+            let decoding = started.iter().all(|&s| s);
             let r = s.step();
-            // Prefill steps hold prompt rows; decode steps at most 1 + 16 rows per sequence.
-            if r.sequences > 0 && r.rows <= r.sequences * 17 && r.rows >= r.sequences {
+            if decoding && r.sequences > 0 {
+                // Every row of a decode step is a sequence's last token or one of its drafts.
                 let drafts = r.rows - r.sequences;
                 time += fb + r.rows as f64 * fr + r.draft_steps as f64 * db + drafts as f64 * dr;
             }
-            for h in &handles {
+            for (h, started) in handles.iter().zip(started.iter_mut()) {
                 while let Some(e) = h.try_recv() {
                     match e {
-                        Event::Tokens { .. } => {}
+                        Event::Tokens { .. } => *started = true,
                         Event::Done(o) => {
                             done += 1;
                             // The first token comes from the prefill.
