@@ -234,7 +234,7 @@ impl AutoDraft {
     /// first position's rate (`set_first`) and its acceptance by confidence, which pull this policy's
     /// own estimates until its evidence takes over.
     pub fn set_prior(&mut self, shared: &AutoDraft) {
-        self.first = shared.rates()[0];
+        self.set_first(shared.rates()[0]);
         self.confidence_prior = std::array::from_fn(|b| shared.bin_rate(b));
     }
 

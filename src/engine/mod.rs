@@ -789,16 +789,18 @@ impl<'m> Scheduler<'m> {
             .filter(|&i| self.active[i].seq.phase() == Phase::Ready && !failed.iter().any(|f| f.0 == i))
             .collect();
         let (mut rows, mut fixed_next) = (0, 0);
-        let (mut cands, mut values) = (Vec::new(), Vec::new());
+        // (index, confidences so far, value of one more draft) of each `auto` sequence that may go on.
+        let mut cands = Vec::new();
         for &i in &ready {
             let a = &self.active[i];
-            let (made, wanted) = (a.seq.draft_confidences().len(), a.seq.drafts_wanted());
+            let (confidences, wanted) = (a.seq.draft_confidences(), a.seq.drafts_wanted());
+            let made = confidences.len();
             match a.policy.as_ref().and_then(|p| p.auto()) {
                 Some(auto) => {
                     rows += 1 + made;
                     if wanted > 0 {
-                        cands.push(i);
-                        values.push(auto.next_draft_value(&a.seq.draft_confidences()));
+                        let value = auto.next_draft_value(&confidences);
+                        cands.push((i, confidences, value));
                     }
                 }
                 None => {
@@ -810,19 +812,19 @@ impl<'m> Scheduler<'m> {
         if cands.is_empty() {
             return;
         }
+        let values: Vec<f64> = cands.iter().map(|c| c.2).collect();
         let keep =
             plan::keep_drafting(&self.costs, rows, ready.len(), fixed_next, depth, &values).unwrap_or_else(|| {
                 cands
                     .iter()
-                    .map(|&i| {
-                        let a = &self.active[i];
-                        a.policy.as_ref().is_none_or(|p| p.keep_drafting(&a.seq.draft_confidences()))
+                    .map(|(i, confidences, _)| {
+                        self.active[*i].policy.as_ref().is_none_or(|p| p.keep_drafting(confidences))
                     })
                     .collect()
             });
-        for (&i, k) in cands.iter().zip(keep) {
+        for ((i, _, _), k) in cands.iter().zip(keep) {
             if !k {
-                self.active[i].seq.stop_drafting();
+                self.active[*i].seq.stop_drafting();
             }
         }
     }
