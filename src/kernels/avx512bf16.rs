@@ -491,23 +491,53 @@ fn pack_row(x: &[f32], k: usize) -> Panels<u16> {
 #[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
 unsafe fn dot_rows(x: *const u16, k: usize, n: usize, row: impl Fn(usize) -> *const u8, out: &mut [f32]) {
     debug_assert_eq!(out.len(), n);
-    for (g, res) in out.chunks_mut(4).enumerate() {
+    let whole = n / 4 * 4;
+    let (head, tail) = out.split_at_mut(whole);
+    for (g, res) in head.chunks_exact_mut(4).enumerate() {
         let i0 = 4 * g;
         prefetch_rows_ahead(i0, n, 2 * k, &row);
-        let rows: [*const u8; 4] = std::array::from_fn(|r| if r < res.len() { row(i0 + r) } else { std::ptr::null() });
-        let mut a = [_mm512_setzero_ps(); 4];
-        let mut kk = 0;
-        while kk < k {
-            let mask = if k - kk >= 32 { u32::MAX } else { (1u32 << (k - kk)) - 1 };
-            let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(kk) as *const _));
-            for (acc, &p) in a.iter_mut().zip(&rows).take(res.len()) {
-                let wv = _mm512_maskz_loadu_epi16(mask, p.add(kk * 2) as *const i16);
-                *acc = _mm512_dpbf16_ps(*acc, xv, std::mem::transmute::<__m512i, __m512bh>(wv));
+        let a = dot_group::<4>(x, k, std::array::from_fn(|r| row(i0 + r)));
+        _mm_storeu_ps(res.as_mut_ptr(), hsum4(a[0], a[1], a[2], a[3]));
+    }
+    if !tail.is_empty() {
+        let rows = |r: usize| row(whole + r);
+        let z = _mm512_setzero_ps();
+        let a = match tail.len() {
+            3 => {
+                let [a0, a1, a2] = dot_group::<3>(x, k, std::array::from_fn(rows));
+                [a0, a1, a2, z]
             }
-            kk += 32;
-        }
+            2 => {
+                let [a0, a1] = dot_group::<2>(x, k, std::array::from_fn(rows));
+                [a0, a1, z, z]
+            }
+            _ => [dot_group::<1>(x, k, [rows(0)])[0], z, z, z],
+        };
         let mut sums = [0f32; 4];
         _mm_storeu_ps(sums.as_mut_ptr(), hsum4(a[0], a[1], a[2], a[3]));
-        res.copy_from_slice(&sums[..res.len()]);
+        tail.copy_from_slice(&sums[..tail.len()]);
     }
+}
+
+/// `dot_rows`' accumulators for the `R` weight rows at `rows`: a `vdpbf16ps` chain per row over K in
+/// 32-element steps from zero, the tail masked. `R` is a constant so that the accumulators stay in
+/// registers (a loop over a slice of them kept them on the stack, a store and a reload per step).
+///
+/// # Safety
+/// As `dot_rows`, for each of the `R` rows.
+#[inline]
+#[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
+unsafe fn dot_group<const R: usize>(x: *const u16, k: usize, rows: [*const u8; R]) -> [__m512; R] {
+    let mut a = [_mm512_setzero_ps(); R];
+    let mut kk = 0;
+    while kk < k {
+        let mask = if k - kk >= 32 { u32::MAX } else { (1u32 << (k - kk)) - 1 };
+        let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(kk) as *const _));
+        for r in 0..R {
+            let wv = _mm512_maskz_loadu_epi16(mask, rows[r].add(kk * 2) as *const i16);
+            a[r] = _mm512_dpbf16_ps(a[r], xv, std::mem::transmute::<__m512i, __m512bh>(wv));
+        }
+        kk += 32;
+    }
+    a
 }
