@@ -10,6 +10,10 @@ use std::sync::Mutex;
 /// (1 to 4 rows; AMX's 32, then 16) divides them.
 const CHUNK_ROW_MULTIPLE: usize = 48;
 
+/// Chunks of a matrix cut into only a few are multiples of this many rows (AMX's and every other
+/// tile height but 3 divide it).
+const SMALL_CHUNK_ROW_MULTIPLE: usize = 16;
+
 /// Below this many bytes of weights (and little compute) a matmul runs on the calling thread when
 /// only rayon can split it: waking rayon's pool costs ~5 µs here, which a matrix smaller than
 /// ~1 MiB does not win back at m = 1 in isolation (`examples/matmul_bench.rs --small`), and in a
@@ -48,7 +52,16 @@ fn chunk_rows(
             if threads <= 1 || (bytes < min_bytes && m.saturating_mul(n * k) < min_macs) {
                 return None;
             }
-            (n / (threads * CHUNKS_PER_THREAD)).max(MIN_CHUNK_BYTES / row_bytes.max(1))
+            let rows = (n / (threads * CHUNKS_PER_THREAD)).max(MIN_CHUNK_BYTES / row_bytes.max(1)).max(1);
+            let chunks = n.div_ceil(rows);
+            if chunks > 1 && chunks < threads * CHUNKS_PER_THREAD {
+                // Few chunks: as many per thread, of equal size (whole 16s), so no thread waits on
+                // another's extra chunk.
+                let chunks = chunks.div_ceil(threads) * threads;
+                let rows = n.div_ceil(chunks).div_ceil(SMALL_CHUNK_ROW_MULTIPLE) * SMALL_CHUNK_ROW_MULTIPLE;
+                return (rows < n).then_some(rows);
+            }
+            rows
         }
     };
     let rows = rows.div_ceil(CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE;
@@ -116,13 +129,14 @@ pub(crate) fn would_split(n: usize, row_bytes: usize, k: usize, m: usize) -> boo
     chunk_rows(n, row_bytes, k, m, Split::Auto, threads, pooled).is_some()
 }
 
-/// Rows per thread (whole [`CHUNK_ROW_MULTIPLE`]s) for a product of `n` weight rows of `row_bytes`
+/// Rows per thread (whole [`SMALL_CHUNK_ROW_MULTIPLE`]s, so that two threads get equal shares of a
+/// drafter's 512 rows) for a product of `n` weight rows of `row_bytes`
 /// bytes and `k` columns against `m` activation rows that [`for_row_ranges`], called on this thread
 /// now, would split; `None` where it would not.
 pub(crate) fn split_rows(n: usize, row_bytes: usize, k: usize, m: usize) -> Option<usize> {
     let (threads, pooled) = threads_here();
     chunk_rows(n, row_bytes, k, m, Split::Auto, threads, pooled)?;
-    let rows = n.div_ceil(threads).div_ceil(CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE;
+    let rows = n.div_ceil(threads).div_ceil(SMALL_CHUNK_ROW_MULTIPLE) * SMALL_CHUNK_ROW_MULTIPLE;
     (rows < n).then_some(rows)
 }
 
