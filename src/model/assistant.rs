@@ -9,8 +9,9 @@ use crate::config::{load_assistant_config, AssistantConfig, DraftHead, LayerType
 use crate::kernels::{self, DType};
 use crate::model::cache::LayerKv;
 use crate::model::ops::{add_normed, attend, gelu_mlp, norm_heads, norm_rows};
-use crate::model::rope::Rope;
+use crate::model::rope::{Angles, Rope};
 use crate::weights::{StoredDtype, Tensor, WeightStore};
+use std::sync::Mutex;
 
 struct DraftLayer {
     kind: LayerType,
@@ -137,6 +138,9 @@ pub struct Assistant {
     centroids: Option<Centroids>,
     rope_sliding: Rope,
     rope_full: Rope,
+    /// The last draft step's positions and RoPE tables (sliding, full): every draft step of a round
+    /// queries the same positions, so only a round's first computes them.
+    angles: Mutex<Option<(Vec<usize>, Option<Angles>, Option<Angles>)>>,
 }
 
 impl Assistant {
@@ -247,6 +251,7 @@ impl Assistant {
             final_norm: vec("model.norm.weight", hd)?,
             rope_sliding: Rope::new(&t.rope_sliding, d_s),
             rope_full: Rope::new(&t.rope_full, d_f),
+            angles: Mutex::new(None),
             embed,
             dtype,
             layers,
@@ -290,10 +295,7 @@ impl Assistant {
         kernels::matmul(&u, n, self.pre_proj.mat(), &mut x);
         dt.round_slice(&mut x);
         // RoPE's cos and sin per row, once per layer type (they depend only on the position).
-        let has = |kind: LayerType| self.layers.iter().any(|l| l.kind == kind);
-        let table = |kind: LayerType, rope: &Rope| has(kind).then(|| rope.angles_of(rows.iter().map(|r| r.p), dt));
-        let (angles_sliding, angles_full) =
-            (table(LayerType::Sliding, &self.rope_sliding), table(LayerType::Full, &self.rope_full));
+        let (angles_sliding, angles_full) = self.angles_at(rows);
         for layer in &self.layers {
             let (rope, angles) = match layer.kind {
                 LayerType::Sliding => (&self.rope_sliding, &angles_sliding),
@@ -350,6 +352,23 @@ impl Assistant {
             .zip(hidden.chunks_exact(hb))
             .map(|(logits, h)| DraftStep { logits, hidden: h.to_vec() })
             .collect()
+    }
+
+    /// RoPE's tables (sliding, full) at the rows' positions: the last step's when the positions are
+    /// the same (a round's later draft steps), else computed and remembered.
+    fn angles_at(&self, rows: &[DraftRow<'_>]) -> (Option<Angles>, Option<Angles>) {
+        let mut memo = self.angles.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((positions, sliding, full)) = memo.as_ref() {
+            if positions.iter().copied().eq(rows.iter().map(|r| r.p)) {
+                return (sliding.clone(), full.clone());
+            }
+        }
+        let has = |kind: LayerType| self.layers.iter().any(|l| l.kind == kind);
+        let table =
+            |kind: LayerType, rope: &Rope| has(kind).then(|| rope.angles_of(rows.iter().map(|r| r.p), self.dtype));
+        let (sliding, full) = (table(LayerType::Sliding, &self.rope_sliding), table(LayerType::Full, &self.rope_full));
+        *memo = Some((rows.iter().map(|r| r.p).collect(), sliding.clone(), full.clone()));
+        (sliding, full)
     }
 
     /// The head over the `n` rows of `hd`: one matmul for all rows (the tied head's logits, or the

@@ -37,6 +37,12 @@ impl Rope {
     /// cos and sin of every frequency at `pos`, rounded to the model dtype (length D/2 each).
     pub fn angles(&self, pos: usize, dtype: DType, cos: &mut [f32], sin: &mut [f32]) {
         for (j, &f) in self.inv_freq.iter().enumerate() {
+            if f == 0.0 {
+                // A frequency past a partial rotation's share: cos 0 and sin 0 exactly, without the
+                // libm calls (three quarters of a proportional layer's pairs).
+                (cos[j], sin[j]) = (1.0, 0.0);
+                continue;
+            }
             let a = pos as f32 * f;
             cos[j] = dtype.round((a as f64).cos() as f32);
             sin[j] = dtype.round((a as f64).sin() as f32);
