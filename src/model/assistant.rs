@@ -127,6 +127,9 @@ pub fn quantize_assistant(
     Ok(crate::quantize::apply(store, &plan)?.line("the assistant", recipe))
 }
 
+/// Draft positions and their RoPE tables (sliding layers, full layers).
+type RoundAngles = (Vec<usize>, Option<Angles>, Option<Angles>);
+
 pub struct Assistant {
     pub cfg: AssistantConfig,
     pub dtype: DType,
@@ -140,7 +143,7 @@ pub struct Assistant {
     rope_full: Rope,
     /// The last draft step's positions and RoPE tables (sliding, full): every draft step of a round
     /// queries the same positions, so only a round's first computes them.
-    angles: Mutex<Option<(Vec<usize>, Option<Angles>, Option<Angles>)>>,
+    angles: Mutex<Option<RoundAngles>>,
 }
 
 impl Assistant {
