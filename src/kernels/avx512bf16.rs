@@ -194,6 +194,14 @@ unsafe fn dot_each<const R: usize, const C: usize, const AHEAD: bool>(
     let whole = rows.start + (rows.len() / R) * R;
     // The next line to ask for: it runs `ahead` bytes in front of what has been read.
     let mut pf = w.wrapping_add(rows.start * k * 2 + ahead);
+    if AHEAD && R > 1 {
+        // The chunk's first `ahead` bytes: asked for at once, so the pass does not wait on them.
+        let mut q = w.wrapping_add(rows.start * k * 2);
+        while q < pf && q < end {
+            _mm_prefetch::<_MM_HINT_T1>(q as *const i8);
+            q = q.wrapping_add(64);
+        }
+    }
     for i in (rows.start..whole).step_by(R) {
         let p: [*const u8; R] = std::array::from_fn(|r| w.add((i + r) * k * 2));
         let mut a = [[z; C]; R];
