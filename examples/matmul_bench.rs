@@ -1,7 +1,7 @@
 //! Effective weight bandwidth of `kernels::matmul` for the shapes that dominate decode.
 //!
 //! cargo run --release --example matmul_bench [-- [--isa NAME] [--threads N] [--quick] [--prefill]
-//!                                              [--small] [--hot] [--dtype bf16|f16|f32]
+//!                                              [--small] [--hot] [--span MIB] [--dtype bf16|f16|f32]
 //!                                              [--quant q8_0|q4_0|q5_0|q5_1|q4_k|q5_k|q6_k]]
 //!
 //! `--quant FMT` times block-quantized weights instead (random weights quantized with
@@ -9,7 +9,8 @@
 //!
 //! A matrix called again and again would sit in L3 (32 MiB here), which is not what decode sees:
 //! each layer's weights are evicted by the other layers' before they are used again. So every shape
-//! is allocated in enough copies to cover 256 MiB, and consecutive calls cycle through the copies.
+//! is allocated in enough copies to cover 256 MiB (`--span MIB`: that many instead), and consecutive
+//! calls cycle through the copies.
 //! `--hot` uses one copy instead: the weights stay in cache from call to call, as a drafter's
 //! matrices (2 MB for the shipped one) do between its draft steps.
 
@@ -35,6 +36,9 @@ struct Args {
     align: Option<usize>,
     /// `--huge`: weights in 2 MiB-aligned memory advised `MADV_HUGEPAGE` (transparent huge pages).
     huge: bool,
+    /// `--span MIB`: the copies cover this many MiB instead of 256 (a small model's whole weights,
+    /// partly in L3 from one token to the next).
+    span_mib: usize,
 }
 
 fn parse_args() -> Args {
@@ -50,6 +54,7 @@ fn parse_args() -> Args {
         shape: None,
         align: None,
         huge: false,
+        span_mib: 256,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -91,6 +96,7 @@ fn parse_args() -> Args {
             "--prefill" => a.prefill = true,
             "--small" => a.small = true,
             "--hot" => a.hot = true,
+            "--span" => a.span_mib = it.next().and_then(|s| s.parse().ok()).filter(|&n| n > 0).unwrap_or(256),
             other => eprintln!("ignoring argument {other}"),
         }
     }
@@ -192,7 +198,7 @@ fn bench_shape(a: &Args, rows: usize, cols: usize, ms: &[usize]) {
         Some(q) => rows * q.row_bytes(cols).expect("--quant: columns must be a whole number of blocks"),
         None => rows * cols * a.dtype.size(),
     };
-    let copies = if a.hot { 1 } else { (256usize << 20).div_ceil(bytes).max(1) };
+    let copies = if a.hot { 1 } else { (a.span_mib << 20).div_ceil(bytes).max(1) };
     // Quantized: one matrix, copied (quantizing every copy would take minutes).
     let quantized = a.quant.map(|q| quantized_weights(q, rows, cols, 0x9e37));
     let bufs: Vec<Vec<u8>> = (0..copies)
