@@ -363,10 +363,10 @@ pub fn matmul_each(x: &[f32], m: usize, jobs: &mut [(Weight<'_>, &mut [f32])]) {
     }
 }
 
-/// Weight rows per thread for a caller that splits a product by `w`'s rows itself, one range per
-/// thread (the last one shorter), or `None` where [`matmul`], called on this thread now, would not
-/// split it over threads. A multiple of every tile height, so each range keeps whole tiles.
-pub fn split_rows(w: &Weight<'_>, m: usize) -> Option<usize> {
+/// Where each range of `w`'s rows ends for a caller that splits a product by those rows itself (one
+/// task per range), or `None` where [`matmul`], called on this thread now, would not split it over
+/// threads. Ranges start at multiples of every tile height, so each keeps whole tiles.
+pub fn split_rows(w: &Weight<'_>, m: usize) -> Option<Vec<usize>> {
     tiling::split_rows(w.rows(), w.row_bytes(), w.cols(), m)
 }
 

@@ -69,12 +69,16 @@ pub fn gelu_mlp(x: &[f32], rows: usize, gate: Weight, up: Weight, down: Weight, 
     let inter = gate.rows();
     let mut g = vec![0f32; rows * inter];
     match kernels::split_rows(&gate, rows) {
-        Some(piece) if up.rows() == inter && rows > 0 => {
+        Some(ends) if up.rows() == inter && rows > 0 => {
+            let starts = std::iter::once(0).chain(ends.iter().copied());
             let mut parts: Vec<(usize, Vec<&mut [f32]>)> =
-                (0..inter).step_by(piece).map(|a| (a, Vec::with_capacity(rows))).collect();
-            for row in g.chunks_mut(inter) {
-                for (p, part) in parts.iter_mut().zip(row.chunks_mut(piece)) {
+                starts.take(ends.len()).map(|a| (a, Vec::with_capacity(rows))).collect();
+            for mut row in g.chunks_mut(inter) {
+                let mut at = 0;
+                for (p, &end) in parts.iter_mut().zip(&ends) {
+                    let (part, rest) = row.split_at_mut(end - at);
                     p.1.push(part);
+                    (row, at) = (rest, end);
                 }
             }
             kernels::par_map(parts, |(a, mut outs)| {
