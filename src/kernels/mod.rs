@@ -39,9 +39,59 @@ mod tiling;
 mod x86;
 
 use half::{bf16, f16};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 pub use quant::{QMatRef, QType};
+
+/// Whether the loaded target's per-step weights fit in the last-level cache (`note_step_bytes`).
+static STEP_FITS_CACHE: AtomicBool = AtomicBool::new(false);
+
+/// Tell the kernels how many bytes of weights a decode step reads (a target calls it when it loads):
+/// when they fit in the last-level cache, one-row bf16 products on Zen 4 ask for their weights ahead
+/// in software, which pays where the weights come from cache and costs where they come from memory
+/// (docs/numerics.md, "One-row bf16 products on Zen 4"). Only speed depends on it, never a result.
+pub fn note_step_bytes(bytes: usize) {
+    STEP_FITS_CACHE.store(last_level_cache_bytes().is_some_and(|c| bytes <= c), Ordering::Relaxed);
+}
+
+/// See [`note_step_bytes`].
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) fn step_fits_cache() -> bool {
+    STEP_FITS_CACHE.load(Ordering::Relaxed)
+}
+
+/// The size of CPU 0's highest-level cache as Linux reports it (`/sys/devices/system/cpu`), once;
+/// `None` elsewhere or when it cannot be read.
+pub fn last_level_cache_bytes() -> Option<usize> {
+    static LLC: OnceLock<Option<usize>> = OnceLock::new();
+    *LLC.get_or_init(|| {
+        let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+        let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
+        let mut best: Option<(u32, usize)> = None;
+        for entry in std::fs::read_dir(dir).ok()?.flatten() {
+            let (Some(level), Some(size)) = (read(entry.path().join("level")), read(entry.path().join("size"))) else {
+                continue;
+            };
+            let (Ok(level), Some(bytes)) = (level.parse::<u32>(), parse_cache_size(&size)) else { continue };
+            if best.is_none_or(|(l, _)| level > l) {
+                best = Some((level, bytes));
+            }
+        }
+        best.map(|(_, bytes)| bytes)
+    })
+}
+
+/// `32768K`, `32M` or a plain number of bytes, as sysfs writes a cache's size.
+fn parse_cache_size(s: &str) -> Option<usize> {
+    let (num, mult) = match s.as_bytes().last()? {
+        b'K' => (&s[..s.len() - 1], 1 << 10),
+        b'M' => (&s[..s.len() - 1], 1 << 20),
+        b'G' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().ok()?.checked_mul(mult)
+}
 
 /// Storage dtype of a weight tensor (and the "model dtype" whose rounding the forward pass mimics).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

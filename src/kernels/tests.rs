@@ -253,12 +253,18 @@ fn streamed_rows_have_the_bits_of_the_tiles() {
         let x = rng.vec(m * cols, 1.0);
         let mut tiled = vec![0f32; m * rows];
         avx512bf16::tiled(&x, m, w.mat(), &mut tiled, Split::Auto);
-        for i in 0..8 {
-            let xi = &x[i * cols..(i + 1) * cols];
-            for (name, split) in splits {
-                let mut got = vec![f32::NAN; rows];
-                pool3.install(|| avx512bf16::stream_rows(xi, w.mat(), &mut got, split));
-                assert!(same(&tiled[i * rows..(i + 1) * rows], &got), "{rows}x{cols} row {i}, {name}");
+        // With and without the software prefetch (a small model's step fits the cache; a large one's
+        // does not): prefetches never change a result.
+        for step_bytes in [0, usize::MAX] {
+            super::note_step_bytes(step_bytes);
+            for i in 0..8 {
+                let xi = &x[i * cols..(i + 1) * cols];
+                for (name, split) in splits {
+                    let mut got = vec![f32::NAN; rows];
+                    pool3.install(|| avx512bf16::stream_rows(xi, w.mat(), &mut got, split));
+                    let prefetch = super::step_fits_cache();
+                    assert!(same(&tiled[i * rows..(i + 1) * rows], &got), "{rows}x{cols} row {i}, {name}, {prefetch}");
+                }
             }
         }
         // A few rows at once, starting anywhere in the batch (a row's bits do not depend on its place
@@ -652,4 +658,18 @@ fn flush_subnormal_zeroes_exactly_the_subnormals() {
         assert!(got.to_bits() == w.to_bits() || (*got == 0.0 && w == 0.0), "element {i}: {got:e} vs {w:e}");
     }
     assert!(x[11].is_nan());
+}
+
+#[test]
+fn cache_sizes_parse_as_sysfs_writes_them() {
+    assert_eq!(super::parse_cache_size("32768K"), Some(32 << 20));
+    assert_eq!(super::parse_cache_size("1M"), Some(1 << 20));
+    assert_eq!(super::parse_cache_size("512"), Some(512));
+    assert_eq!(super::parse_cache_size(""), None);
+    assert_eq!(super::parse_cache_size("K"), None);
+    assert_eq!(super::parse_cache_size("12X"), None);
+    // Where sysfs tells it, the last-level cache is at least an L1's size.
+    if let Some(bytes) = super::last_level_cache_bytes() {
+        assert!(bytes >= 16 << 10, "{bytes}");
+    }
 }

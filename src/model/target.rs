@@ -301,7 +301,7 @@ impl TargetModel {
         }
         let d_s = cfg.geometry(LayerType::Sliding).map_or(2, |g| g.0);
         let d_f = cfg.geometry(LayerType::Full).map_or(2, |g| g.0);
-        Ok(TargetModel {
+        let model = TargetModel {
             rope_sliding: Rope::new(&cfg.rope_sliding, d_s),
             rope_full: Rope::new(&cfg.rope_full, d_f),
             final_norm: vec("norm.weight", h)?,
@@ -312,7 +312,9 @@ impl TargetModel {
             ple,
             layers,
             cfg,
-        })
+        };
+        kernels::note_step_bytes(model.bytes_per_token());
+        Ok(model)
     }
 
     pub fn new_cache(&self) -> KvCache {
