@@ -65,8 +65,9 @@ fn streams_rows() -> bool {
 /// `vdpbf16ps` chain per row over K in 32-element steps. When the target's per-step weights fit in the
 /// last-level cache (`step_fits_cache`), each chunk also asks for its weights `STREAM_AHEAD` bytes
 /// ahead into L2 (`prefetcht1`), as `stream_many` does: the shipped pair's one-row forward, whose
-/// weights come largely from L3, was 21 % faster with it, while the kit's E2B-sized model, read from
-/// memory, was 4-10 % slower (the hardware's prefetcher alone suffices for one stream from memory).
+/// weights come largely from L3, took 0.79-0.83 of the time with it (pairwise), while the kit's
+/// E2B-sized model, read from memory, was 4-10 % slower (the hardware's prefetcher alone suffices
+/// for one stream from memory).
 /// A row gets the bits of the tile kernel: the same chain from zero, the same masked tail and the same
 /// `hsum4` tree. Called by `matmul` where `streams_rows` says so; the tests call it on every CPU with
 /// AVX512_BF16. See docs/numerics.md, "One-row bf16 products on Zen 4".
