@@ -420,6 +420,11 @@ pub fn split_rows(w: &Weight<'_>, m: usize) -> Option<Vec<usize>> {
     tiling::split_rows(w.rows(), w.row_bytes(), w.cols(), m)
 }
 
+/// `row` cut at the increasing offsets `ends` (as [`split_rows`] gives them): one piece per end.
+pub fn cut_at<'a>(row: &'a mut [f32], ends: &'a [usize]) -> impl Iterator<Item = &'a mut [f32]> {
+    tiling::cut_at(row, ends)
+}
+
 /// [`matmul`] on a given instruction set (lowered to what the CPU supports).
 pub fn matmul_with<'a>(isa: Isa, x: &[f32], m: usize, w: impl Into<Weight<'a>>, out: &mut [f32]) {
     match w.into() {

@@ -98,12 +98,9 @@ where
     };
     let ends = chunk_ends(n, row_bytes, rows, split, threads);
     let mut pieces: Vec<Vec<&mut [f32]>> = ends.iter().map(|_| Vec::with_capacity(m)).collect();
-    for mut row in out.chunks_mut(n) {
-        let mut at = 0;
-        for (p, &end) in pieces.iter_mut().zip(&ends) {
-            let (piece, rest) = row.split_at_mut(end - at);
+    for row in out.chunks_mut(n) {
+        for (p, piece) in pieces.iter_mut().zip(cut_at(row, &ends)) {
             p.push(piece);
-            (row, at) = (rest, end);
         }
     }
     // Each task takes its own piece; the locks are never contended.
@@ -138,7 +135,7 @@ fn guided(n: usize, row_bytes: usize, rows: usize, split: Split, threads: usize)
 /// head's 50 MB chunks, a few % of a decode step on two cores).
 fn chunk_ends(n: usize, row_bytes: usize, rows: usize, split: Split, threads: usize) -> Vec<usize> {
     if !guided(n, row_bytes, rows, split, threads) {
-        return (1..=n.div_ceil(rows)).map(|c| (c * rows).min(n)).collect();
+        return even_ends(n, rows);
     }
     let least = (GUIDED_MIN_BYTES / row_bytes.max(1)).max(1).div_ceil(CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE;
     let mut ends = Vec::new();
@@ -180,7 +177,22 @@ pub(crate) fn split_rows(n: usize, row_bytes: usize, k: usize, m: usize) -> Opti
         return Some(chunk_ends(n, row_bytes, rows, Split::Auto, threads));
     }
     let rows = n.div_ceil(threads).div_ceil(SMALL_CHUNK_ROW_MULTIPLE) * SMALL_CHUNK_ROW_MULTIPLE;
-    (rows < n).then(|| (1..=n.div_ceil(rows)).map(|c| (c * rows).min(n)).collect())
+    (rows < n).then(|| even_ends(n, rows))
+}
+
+/// The ends of `n` rows cut into chunks of `rows` (the last one shorter).
+fn even_ends(n: usize, rows: usize) -> Vec<usize> {
+    (1..=n.div_ceil(rows)).map(|c| (c * rows).min(n)).collect()
+}
+
+/// `row` cut at the increasing offsets `ends` (the last one `row.len()`): one piece per end.
+pub(crate) fn cut_at<'a>(row: &'a mut [f32], ends: &'a [usize]) -> impl Iterator<Item = &'a mut [f32]> {
+    let (mut rest, mut at) = (row, 0);
+    ends.iter().map(move |&end| {
+        let (piece, tail) = std::mem::take(&mut rest).split_at_mut(end - at);
+        (rest, at) = (tail, end);
+        piece
+    })
 }
 
 /// x packed by [`pack_panels`]: `data()` starts on a 64-byte boundary.

@@ -73,12 +73,9 @@ pub fn gelu_mlp(x: &[f32], rows: usize, gate: Weight, up: Weight, down: Weight, 
             let starts = std::iter::once(0).chain(ends.iter().copied());
             let mut parts: Vec<(usize, Vec<&mut [f32]>)> =
                 starts.take(ends.len()).map(|a| (a, Vec::with_capacity(rows))).collect();
-            for mut row in g.chunks_mut(inter) {
-                let mut at = 0;
-                for (p, &end) in parts.iter_mut().zip(&ends) {
-                    let (part, rest) = row.split_at_mut(end - at);
+            for row in g.chunks_mut(inter) {
+                for (p, part) in parts.iter_mut().zip(kernels::cut_at(row, &ends)) {
                     p.1.push(part);
-                    (row, at) = (rest, end);
                 }
             }
             kernels::par_map(parts, |(a, mut outs)| {
