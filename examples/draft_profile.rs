@@ -1,7 +1,7 @@
 //! Draft steps of an assistant over a prefilled target cache, repeated: for `perf record` of the
 //! drafter alone (the shipped pair's four draft steps are about a third of a speculative round).
 //!
-//! cargo run --release --example draft_profile -- TARGET_DIR ASSISTANT_DIR [ITERATIONS] [SEQUENCES] [VERIFY_ROWS]
+//! cargo run --release --example draft_profile -- TARGET_DIR ASSISTANT_DIR [ITERATIONS] [SEQUENCES] [VERIFY_ROWS] [--sections]
 //!
 //! Prefills 128 tokens into each of SEQUENCES target caches (default 1), then runs ITERATIONS draft
 //! steps with one row per sequence, all in one batched step as the engine runs them, and prints the
@@ -11,6 +11,9 @@
 //! sequence (rolled back, untimed), as in a speculative round at k = 4, and the medians are also
 //! printed by the step's place after that forward: the first step finds the drafter's weights evicted
 //! by the target's.
+//!
+//! With `--sections`, the draft steps also time their parts (`tandem::model::sections`;
+//! docs/numerics.md, "Where a step's time goes") and print them.
 
 use std::time::Instant;
 use tandem::decode::speculative::Drafter;
@@ -18,8 +21,10 @@ use tandem::model::assistant::Assistant;
 use tandem::model::TargetModel;
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: draft_profile TARGET_DIR ASSISTANT_DIR [ITERATIONS] [SEQUENCES] [VERIFY_ROWS]";
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let sections = args.iter().any(|a| a == "--sections");
+    args.retain(|a| a != "--sections");
+    let usage = "usage: draft_profile TARGET_DIR ASSISTANT_DIR [ITERATIONS] [SEQUENCES] [VERIFY_ROWS] [--sections]";
     let (Some(tdir), Some(adir)) = (args.first(), args.get(1)) else { anyhow::bail!(usage) };
     let iters: usize = args.get(2).map_or(Ok(2000), |s| s.parse())?;
     let n_seqs: usize = args.get(3).map_or(Ok(1), |s| s.parse())?;
@@ -48,9 +53,12 @@ fn main() -> anyhow::Result<()> {
             }
         }
         let rows: Vec<_> = caches.iter().zip(&hiddens).map(|(c, h)| (c, 7u32, h.as_slice(), c.len())).collect();
+        // Only the draft steps are timed by sections (not the verify forwards between them).
+        tandem::model::sections::enable(sections);
         let t = Instant::now();
         let steps = assistant.draft_batch(&target, &rows);
         times.push(t.elapsed().as_secs_f64());
+        tandem::model::sections::enable(false);
         std::hint::black_box(steps);
     }
     if verify_rows > 0 {
@@ -59,6 +67,10 @@ fn main() -> anyhow::Result<()> {
             v.sort_by(f64::total_cmp);
             println!("step {} after a {verify_rows}-row forward: {:.1} µs (median)", place + 1, v[v.len() / 2] * 1e6);
         }
+    }
+    if sections {
+        let wall = std::time::Duration::from_secs_f64(times.iter().sum());
+        print!("{}", tandem::model::sections::report(iters, wall));
     }
     times.sort_by(f64::total_cmp);
     println!("{n_seqs} rows: {:.1} µs per draft step (median of {iters})", times[iters / 2] * 1e6);

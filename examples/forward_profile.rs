@@ -1,18 +1,21 @@
 //! A target forward over R rows, repeated: for `perf record` / `valgrind --tool=callgrind` of one
 //! step without the rest of a run around it.
 //!
-//! cargo run --release --example forward_profile -- MODEL_DIR [ROWS] [ITERATIONS] [SEQUENCES]
+//! cargo run --release --example forward_profile -- MODEL_DIR [ROWS] [ITERATIONS] [SEQUENCES] [--sections]
 //!
 //! Prefills 128 tokens into each of SEQUENCES caches (default 1), then runs ITERATIONS forwards of
 //! ROWS tokens per sequence, all sequences in one batched forward as the engine steps them (each
-//! rolled back), and prints the median time of one.
+//! rolled back), and prints the median time of one. With `--sections`, the forwards also time their
+//! parts (`tandem::model::sections`; docs/numerics.md, "Where a step's time goes") and print them.
 
 use std::time::Instant;
 use tandem::model::{Keep, SeqInput, TargetModel};
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: forward_profile MODEL_DIR [ROWS] [ITERATIONS] [SEQUENCES]";
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let sections = args.iter().any(|a| a == "--sections");
+    args.retain(|a| a != "--sections");
+    let usage = "usage: forward_profile MODEL_DIR [ROWS] [ITERATIONS] [SEQUENCES] [--sections]";
     let dir = args.first().ok_or_else(|| anyhow::anyhow!(usage))?;
     let rows: usize = args.get(1).map_or(Ok(1), |s| s.parse())?;
     let iters: usize = args.get(2).map_or(Ok(20), |s| s.parse())?;
@@ -29,6 +32,7 @@ fn main() -> anyhow::Result<()> {
     }
     let toks: Vec<u32> = (0..rows as u32).map(|i| 100 + i).collect();
     let mut times = Vec::with_capacity(iters);
+    tandem::model::sections::enable(sections);
     for _ in 0..iters {
         let mut seqs: Vec<SeqInput<'_>> =
             caches.iter_mut().map(|cache| SeqInput { cache, tokens: &toks, keep: Keep::All }).collect();
@@ -39,6 +43,11 @@ fn main() -> anyhow::Result<()> {
         for cache in caches.iter_mut() {
             cache.rollback(rows)?;
         }
+    }
+    tandem::model::sections::enable(false);
+    if sections {
+        let wall = std::time::Duration::from_secs_f64(times.iter().sum());
+        print!("{}", tandem::model::sections::report(iters, wall));
     }
     times.sort_by(f64::total_cmp);
     println!("{n_seqs} x {rows} rows: {:.3} ms per forward (median of {iters})", times[iters / 2] * 1e3);

@@ -10,6 +10,7 @@ use crate::kernels::{self, DType};
 use crate::model::cache::LayerKv;
 use crate::model::ops::{add_normed, attend, gelu_mlp, norm_heads, norm_rows};
 use crate::model::rope::{Angles, Rope};
+use crate::model::sections::section;
 use crate::weights::{StoredDtype, Tensor, WeightStore};
 use std::sync::Mutex;
 
@@ -295,7 +296,7 @@ impl Assistant {
             u.extend_from_slice(r.h);
         }
         let mut x = vec![0f32; n * t.hidden_size];
-        kernels::matmul(&u, n, self.pre_proj.mat(), &mut x);
+        section("draft pre-projection", || kernels::matmul(&u, n, self.pre_proj.mat(), &mut x));
         dt.round_slice(&mut x);
         // RoPE's cos and sin per row, once per layer type (they depend only on the position).
         let (angles_sliding, angles_full) = self.angles_at(rows);
@@ -306,15 +307,17 @@ impl Assistant {
             };
             let angles = angles.as_ref().expect("a table for every layer type the drafter has");
             let d = rows[0].kv(layer.kind).head_dim;
-            let a = norm_rows(&x, n, &layer.input_norm, eps, dt);
+            let a = section("draft norms", || norm_rows(&x, n, &layer.input_norm, eps, dt));
             let mut q = vec![0f32; n * hq * d];
-            kernels::matmul(&a, n, layer.q.mat(), &mut q);
-            dt.round_slice(&mut q);
-            norm_heads(&mut q, d, Some(&layer.q_norm), eps, dt);
-            for (i, qr) in q.chunks_exact_mut(hq * d).enumerate() {
-                let (cos, sin) = angles.row(i);
-                rope.apply(qr, cos, sin, dt);
-            }
+            section("draft q", || kernels::matmul(&a, n, layer.q.mat(), &mut q));
+            section("draft q norm, rope", || {
+                dt.round_slice(&mut q);
+                norm_heads(&mut q, d, Some(&layer.q_norm), eps, dt);
+                for (i, qr) in q.chunks_exact_mut(hq * d).enumerate() {
+                    let (cos, sin) = angles.row(i);
+                    rope.apply(qr, cos, sin, dt);
+                }
+            });
             // No causal mask: every donor key is in the past. Sliding layers keep W+1 of them
             // (docs/drafter.md, "Which target K/V it reads").
             let mut o = vec![0f32; n * hq * d];
@@ -327,23 +330,30 @@ impl Assistant {
                 };
                 attend(qr, kv, 1, hq, |_| lo..p, dt, or);
             };
-            kernels::par_map(q.chunks_exact(hq * d).zip(o.chunks_exact_mut(hq * d)).zip(rows).collect(), attend_row);
+            section("draft attention", || {
+                let work = q.chunks_exact(hq * d).zip(o.chunks_exact_mut(hq * d)).zip(rows).collect();
+                kernels::par_map(work, attend_row)
+            });
             let mut out = vec![0f32; n * t.hidden_size];
-            kernels::matmul(&o, n, layer.o.mat(), &mut out);
-            dt.round_slice(&mut out);
-            add_normed(&mut x, &out, &layer.post_attn_norm, eps, dt);
-            let xn = norm_rows(&x, n, &layer.pre_ff_norm, eps, dt);
-            let m = gelu_mlp(&xn, n, layer.gate.mat(), layer.up.mat(), layer.down.mat(), dt);
-            add_normed(&mut x, &m, &layer.post_ff_norm, eps, dt);
-            let s = layer.scalar;
-            x.iter_mut().for_each(|v| *v *= s);
-            dt.round_slice(&mut x);
+            section("draft o", || kernels::matmul(&o, n, layer.o.mat(), &mut out));
+            let xn = section("draft norms", || {
+                dt.round_slice(&mut out);
+                add_normed(&mut x, &out, &layer.post_attn_norm, eps, dt);
+                norm_rows(&x, n, &layer.pre_ff_norm, eps, dt)
+            });
+            let m = section("draft mlp", || gelu_mlp(&xn, n, layer.gate.mat(), layer.up.mat(), layer.down.mat(), dt));
+            section("draft norms", || {
+                add_normed(&mut x, &m, &layer.post_ff_norm, eps, dt);
+                let s = layer.scalar;
+                x.iter_mut().for_each(|v| *v *= s);
+                dt.round_slice(&mut x);
+            });
         }
-        let hd = norm_rows(&x, n, &self.final_norm, eps, dt);
+        let hd = section("draft norms", || norm_rows(&x, n, &self.final_norm, eps, dt));
         let mut hidden = vec![0f32; n * hb];
-        kernels::matmul(&hd, n, self.post_proj.mat(), &mut hidden);
+        section("draft post-projection", || kernels::matmul(&hd, n, self.post_proj.mat(), &mut hidden));
         dt.round_slice(&mut hidden);
-        let logits = self.head(&hd, n);
+        let logits = section("draft head", || self.head(&hd, n));
         if n == 1 {
             return logits
                 .into_iter()

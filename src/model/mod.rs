@@ -4,6 +4,7 @@ pub mod assistant;
 pub mod cache;
 pub mod ops;
 pub mod rope;
+pub mod sections;
 pub mod target;
 
 pub use cache::KvCache;

@@ -13,6 +13,7 @@ use crate::kernels::{self, DType};
 use crate::model::cache::KvCache;
 use crate::model::ops::{add_normed, attend, gelu_mlp, norm_heads, norm_rows};
 use crate::model::rope::{Angles, Rope};
+use crate::model::sections::section;
 use crate::quantize::Recipe;
 use crate::weights::{Tensor, WeightStore};
 
@@ -407,21 +408,23 @@ impl TargetModel {
             n += s.tokens.len();
         }
 
-        // Embeddings.
-        let mut h = vec![0f32; n * h_dim];
-        let mut rows_out = h.chunks_exact_mut(h_dim);
-        for s in seqs.iter() {
-            // The shorter iterator first: `zip` would take (and lose) one more row otherwise.
-            for (&t, row) in s.tokens.iter().zip(rows_out.by_ref()) {
-                self.embed_token(t, row);
+        // Embeddings, per-layer inputs and RoPE's angles.
+        let (mut h, mut ple_in, angles) = section("inputs", || {
+            let mut h = vec![0f32; n * h_dim];
+            let mut rows_out = h.chunks_exact_mut(h_dim);
+            for s in seqs.iter() {
+                // The shorter iterator first: `zip` would take (and lose) one more row otherwise.
+                for (&t, row) in s.tokens.iter().zip(rows_out.by_ref()) {
+                    self.embed_token(t, row);
+                }
             }
-        }
-        let mut ple_in = match seqs {
-            [one] => self.ple_inputs(one.tokens, &h),
-            _ => self.ple_inputs(&seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(), &h),
-        };
+            let ple_in = match &*seqs {
+                [one] => self.ple_inputs(one.tokens, &h),
+                _ => self.ple_inputs(&seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(), &h),
+            };
+            (h, ple_in, RowAngles::new(self, &spans))
+        });
         let ple_width = cfg.ple.map_or(0, |p| cfg.num_layers() * p.dim);
-        let angles = RowAngles::new(self, &spans);
 
         // Reuse layers never write the cache, so past the first reuse layer only the rows whose outputs are
         // wanted need to run: there, each `Keep::Last` sequence keeps its last row only.
@@ -448,11 +451,13 @@ impl TargetModel {
             self.attention_block(li, layer, seqs, &spans, &angles, &mut h);
             self.mlp_block(layer, &mut h, n);
             if let (Some(lp), Some(pin), Some(pc)) = (&layer.ple, ple_in.as_ref(), cfg.ple) {
-                self.ple_block(li, lp, pc.dim, pin, &mut h, n);
+                section("per-layer input", || self.ple_block(li, lp, pc.dim, pin, &mut h, n));
             }
             let s = layer.scalar;
-            h.iter_mut().for_each(|x| *x *= s);
-            dt.round_slice(&mut h);
+            section("layer scalar", || {
+                h.iter_mut().for_each(|x| *x *= s);
+                dt.round_slice(&mut h);
+            });
         }
         for s in seqs.iter_mut() {
             s.cache.advance(s.tokens);
@@ -463,24 +468,28 @@ impl TargetModel {
             seqs.iter().zip(&spans).map(|(s, sp)| if s.keep == Keep::Last { 1 } else { sp.rows }).collect();
         let total: usize = kept.iter().sum();
         let mut hidden = vec![0f32; total * h_dim];
-        let mut out_rows = hidden.chunks_exact_mut(h_dim);
-        for (sp, &k) in spans.iter().zip(&kept) {
-            let rows = &h[(sp.at + sp.rows - k) * h_dim..(sp.at + sp.rows) * h_dim];
-            for (x, o) in rows.chunks_exact(h_dim).zip(out_rows.by_ref()) {
-                kernels::rms_norm(x, Some(&self.final_norm), cfg.rms_norm_eps, o);
+        section("norms", || {
+            let mut out_rows = hidden.chunks_exact_mut(h_dim);
+            for (sp, &k) in spans.iter().zip(&kept) {
+                let rows = &h[(sp.at + sp.rows - k) * h_dim..(sp.at + sp.rows) * h_dim];
+                for (x, o) in rows.chunks_exact(h_dim).zip(out_rows.by_ref()) {
+                    kernels::rms_norm(x, Some(&self.final_norm), cfg.rms_norm_eps, o);
+                }
             }
-        }
-        dt.round_slice(&mut hidden);
+            dt.round_slice(&mut hidden);
+        });
         let mut logits = vec![0f32; total * cfg.vocab_size];
-        kernels::matmul(&hidden, total, self.lm_head.mat(), &mut logits);
+        section("head", || kernels::matmul(&hidden, total, self.lm_head.mat(), &mut logits));
         // Rounding and softcapping in pieces on the kernels' pool: a verify's five rows of a 4,096-token
         // vocabulary (the shipped pair) are 20,480 tanh, which on one thread took as long as a matmul.
         let cap = cfg.final_logit_softcapping;
-        kernels::par_map(logits.chunks_mut(LOGIT_PIECE).collect(), |chunk| {
-            dt.round_slice(chunk);
-            if let Some(c) = cap {
-                kernels::softcap(chunk, c, dt);
-            }
+        section("logit softcap", || {
+            kernels::par_map(logits.chunks_mut(LOGIT_PIECE).collect(), |chunk| {
+                dt.round_slice(chunk);
+                if let Some(c) = cap {
+                    kernels::softcap(chunk, c, dt);
+                }
+            })
         });
 
         // Split per sequence, from the back (the first sequence keeps the buffers).
@@ -555,7 +564,7 @@ impl TargetModel {
         let rows = h.len() / cfg.hidden_size;
         let (h_dim, d, hq, kvh, dt, eps) =
             (cfg.hidden_size, lc.head_dim, cfg.num_heads, lc.kv_heads, self.dtype, cfg.rms_norm_eps);
-        let a = norm_rows(h, rows, &layer.input_norm, eps, dt);
+        let a = section("norms", || norm_rows(h, rows, &layer.input_norm, eps, dt));
         let rope = if lc.kind == LayerType::Sliding { &self.rope_sliding } else { &self.rope_full };
         // Apply RoPE to every row of `x` (`[rows, width]`) at that row's own position.
         let rope_rows = |x: &mut [f32], width: usize| {
@@ -568,9 +577,11 @@ impl TargetModel {
         };
 
         let mut q = vec![0f32; rows * hq * d];
-        kernels::matmul(&a, rows, layer.attn.q.mat(), &mut q);
-        dt.round_slice(&mut q);
-        norm_heads(&mut q, d, Some(&layer.attn.q_norm), eps, dt);
+        section("q", || kernels::matmul(&a, rows, layer.attn.q.mat(), &mut q));
+        section("q/k/v norms, rope", || {
+            dt.round_slice(&mut q);
+            norm_heads(&mut q, d, Some(&layer.attn.q_norm), eps, dt);
+        });
 
         if let Some(kw) = &layer.attn.k {
             let mut k = vec![0f32; rows * kvh * d];
@@ -579,28 +590,32 @@ impl TargetModel {
                 Some(vw) => {
                     // One KV head's K and V are small matrices: side by side on two threads.
                     let mut v = vec![0f32; rows * kvh * d];
-                    kernels::matmul_each(&a, rows, &mut [(kw.mat(), &mut k), (vw.mat(), &mut v)]);
+                    section("k, v", || kernels::matmul_each(&a, rows, &mut [(kw.mat(), &mut k), (vw.mat(), &mut v)]));
                     dt.round_slice(&mut k);
                     dt.round_slice(&mut v);
                     v
                 }
                 None => {
-                    kernels::matmul(&a, rows, kw.mat(), &mut k);
+                    section("k, v", || kernels::matmul(&a, rows, kw.mat(), &mut k));
                     dt.round_slice(&mut k);
                     k.clone()
                 }
             };
-            norm_heads(&mut k, d, layer.attn.k_norm.as_deref(), eps, dt);
-            norm_heads(&mut v, d, None, eps, dt);
-            rope_rows(&mut k, kvh * d);
+            section("q/k/v norms, rope", || {
+                norm_heads(&mut k, d, layer.attn.k_norm.as_deref(), eps, dt);
+                norm_heads(&mut v, d, None, eps, dt);
+                rope_rows(&mut k, kvh * d);
+            });
             let w = kvh * d;
-            for (s, sp) in seqs.iter_mut().zip(spans) {
-                debug_assert_eq!(sp.pos, s.cache.len(), "layers that write the cache see every row");
-                let at = sp.at * w..(sp.at + sp.rows) * w;
-                s.cache.append(li, &k[at.clone()], &v[at]);
-            }
+            section("cache append", || {
+                for (s, sp) in seqs.iter_mut().zip(spans) {
+                    debug_assert_eq!(sp.pos, s.cache.len(), "layers that write the cache see every row");
+                    let at = sp.at * w..(sp.at + sp.rows) * w;
+                    s.cache.append(li, &k[at.clone()], &v[at]);
+                }
+            });
         }
-        rope_rows(&mut q, hq * d);
+        section("q/k/v norms, rope", || rope_rows(&mut q, hq * d));
 
         // Causal; sliding layers see W keys including their own position (docs/model.md, "Masks and windows").
         let window = if lc.kind == LayerType::Sliding { cfg.sliding_window } else { usize::MAX };
@@ -619,29 +634,31 @@ impl TargetModel {
             rest = tail;
         }
         let work: Vec<_> = seqs.iter().zip(spans).zip(outs).map(|((s, sp), o)| (s, sp, o)).collect();
-        kernels::par_map(work, attend_one);
+        section("attention", || kernels::par_map(work, attend_one));
 
         let mut out = vec![0f32; rows * h_dim];
-        kernels::matmul(&o, rows, layer.attn.o.mat(), &mut out);
-        dt.round_slice(&mut out);
-        add_normed(h, &out, &layer.post_attn_norm, eps, dt);
+        section("o", || kernels::matmul(&o, rows, layer.attn.o.mat(), &mut out));
+        section("norms", || {
+            dt.round_slice(&mut out);
+            add_normed(h, &out, &layer.post_attn_norm, eps, dt);
+        });
     }
 
     /// Dense MLP, plus the MoE branch when the model has one; `h += post_ff_norm(...)`.
     fn mlp_block(&self, layer: &Layer, h: &mut [f32], rows: usize) {
         let cfg = &self.cfg;
         let (dt, eps) = (self.dtype, cfg.rms_norm_eps);
-        let x = norm_rows(h, rows, &layer.pre_ff_norm, eps, dt);
-        let mut m = gelu_mlp(&x, rows, layer.gate.mat(), layer.up.mat(), layer.down.mat(), dt);
+        let x = section("norms", || norm_rows(h, rows, &layer.pre_ff_norm, eps, dt));
+        let mut m = section("mlp", || gelu_mlp(&x, rows, layer.gate.mat(), layer.up.mat(), layer.down.mat(), dt));
         if let (Some(moe), Some(mc)) = (&layer.moe, cfg.moe) {
             let m1 = norm_rows(&m, rows, &moe.post_norm_1, eps, dt);
-            let m2 = self.experts(moe, mc, h, rows);
+            let m2 = section("experts", || self.experts(moe, mc, h, rows));
             let m2 = norm_rows(&m2, rows, &moe.post_norm_2, eps, dt);
             for ((o, a), b) in m.iter_mut().zip(&m1).zip(&m2) {
                 *o = dt.round(a + b);
             }
         }
-        add_normed(h, &m, &layer.post_ff_norm, eps, dt);
+        section("norms", || add_normed(h, &m, &layer.post_ff_norm, eps, dt));
     }
 
     /// The MoE branch on the pre-FFN residual `r` (docs/model.md, "Mixture of experts"): route, run each
