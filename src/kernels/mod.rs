@@ -186,12 +186,30 @@ impl<'a> MatRef<'a> {
         }
     }
 
-    /// Row `r` widened to f32.
+    /// Row `r` widened to f32 (exact), one whole row at a time so that the loop vectorises: an
+    /// embedding lookup per token was a scalar load per element (docs/numerics.md, "Where a step's
+    /// time goes").
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols);
-        let base = r * self.cols;
-        for (j, o) in out.iter_mut().enumerate() {
-            *o = self.dtype.load(self.data, base + j);
+        let size = self.dtype.size();
+        let bytes = &self.data[r * self.cols * size..(r + 1) * self.cols * size];
+        match self.dtype {
+            DType::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            // bf16 is the upper half of an f32.
+            DType::BF16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                }
+            }
+            DType::F16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                }
+            }
         }
     }
 }

@@ -673,3 +673,29 @@ fn cache_sizes_parse_as_sysfs_writes_them() {
         assert!(bytes >= 16 << 10, "{bytes}");
     }
 }
+
+#[test]
+fn row_f32_widens_every_value_as_load_does() {
+    // Every 16-bit pattern (NaNs included: any NaN for a NaN), and f32 patterns around the edges.
+    for dtype in [DType::BF16, DType::F16] {
+        let data: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
+        let m = MatRef::new(dtype, 256, 256, &data);
+        let mut row = vec![0f32; 256];
+        for r in 0..256 {
+            m.row_f32(r, &mut row);
+            for (j, &x) in row.iter().enumerate() {
+                let want = dtype.load(&data, r * 256 + j);
+                assert!(x.to_bits() == want.to_bits() || (x.is_nan() && want.is_nan()), "{dtype:?} {r} {j}");
+            }
+        }
+    }
+    let vals = [0.0f32, -0.0, 1.5, -3.25e-40, f32::MAX, f32::INFINITY, f32::NEG_INFINITY, 1e-45];
+    let data: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let m = MatRef::new(DType::F32, 2, 4, &data);
+    let mut row = vec![0f32; 4];
+    for r in 0..2 {
+        m.row_f32(r, &mut row);
+        let want: Vec<u32> = vals[r * 4..r * 4 + 4].iter().map(|v| v.to_bits()).collect();
+        assert_eq!(row.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
+    }
+}

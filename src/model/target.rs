@@ -368,9 +368,8 @@ impl TargetModel {
     /// The scaled input embedding of a token (`Emb[t] · bf16(√H)`), which the drafter also consumes.
     pub fn embed_token(&self, token: u32, out: &mut [f32]) {
         self.embed.mat().row_f32(token as usize, out);
-        for x in out.iter_mut() {
-            *x = self.dtype.round(*x * self.embed_scale);
-        }
+        out.iter_mut().for_each(|x| *x *= self.embed_scale);
+        self.dtype.round_slice(out);
     }
 
     /// Run `tokens` at positions `cache.len()..`, appending to the cache. Returns logits and hidden states
@@ -521,14 +520,16 @@ impl TargetModel {
         kernels::matmul(x0, n, ple.model_proj.mat(), &mut ctx);
         dt.round_slice(&mut ctx);
         let proj_scale = (self.cfg.hidden_size as f64).powf(-0.5) as f32;
+        // Each step below is element-wise (or per slice), done over whole buffers so that it
+        // vectorises: the same operations in the same order for every element.
+        ctx.iter_mut().for_each(|x| *x *= proj_scale);
+        dt.round_slice(&mut ctx);
         let mut normed = vec![0f32; p];
         for slice in ctx.chunks_exact_mut(p) {
-            slice.iter_mut().for_each(|x| *x = dt.round(*x * proj_scale));
             kernels::rms_norm(slice, Some(&ple.proj_norm), self.cfg.rms_norm_eps, &mut normed);
-            for (x, y) in slice.iter_mut().zip(&normed) {
-                *x = dt.round(*y);
-            }
+            slice.copy_from_slice(&normed);
         }
+        dt.round_slice(&mut ctx);
         let mut tok = vec![0f32; width];
         let input_scale = std::f64::consts::FRAC_1_SQRT_2 as f32;
         for (i, &t) in tokens.iter().enumerate() {
@@ -538,10 +539,13 @@ impl TargetModel {
             } else {
                 ple.embed.mat().row_f32(t as usize, &mut tok);
             }
-            for (c, e) in ctx[i * width..(i + 1) * width].iter_mut().zip(&tok) {
-                let e = dt.round(e * ple.scale);
-                *c = dt.round(dt.round(*c + e) * input_scale);
-            }
+            tok.iter_mut().for_each(|e| *e *= ple.scale);
+            dt.round_slice(&mut tok);
+            let c = &mut ctx[i * width..(i + 1) * width];
+            c.iter_mut().zip(&tok).for_each(|(c, e)| *c += e);
+            dt.round_slice(c);
+            c.iter_mut().for_each(|c| *c *= input_scale);
+            dt.round_slice(c);
         }
         Some(ctx)
     }
