@@ -33,12 +33,17 @@ pub fn heldout_prompts() -> Vec<Vec<u32>> {
 /// A scratch copy of a fixture directory that a test may break (a new directory on every call),
 /// removed when the value is dropped.
 pub fn scratch_copy(name: &str) -> Scratch {
+    scratch_copy_of(&fixture_dir(name))
+}
+
+/// [`scratch_copy`] of any model directory (its files, not subdirectories).
+pub fn scratch_copy_of(src: &Path) -> Scratch {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let dir = std::env::temp_dir().join(format!("tandem-scratch-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    for entry in std::fs::read_dir(fixture_dir(name)).unwrap() {
+    for entry in std::fs::read_dir(src).unwrap() {
         let p = entry.unwrap().path();
         std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
     }
