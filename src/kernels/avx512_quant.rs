@@ -4,26 +4,29 @@
 //!
 //! `vpdpbusd` wants one unsigned operand. The k-quants multiply their unsigned levels directly with
 //! the signed activations (Q6_K's offset of 32 comes back as `-32 · Σ x`, from the activations'
-//! 16-element sums). The others (Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL) multiply their signed levels (offset
-//! removed) with the activations moved to `x + 128` (`u8`), and start each lane from `-128 · Σ w` over
-//! its weights, computed once per decoded weight vector and shared by every activation row: the lane
-//! then holds exactly `Σ x · w`. IQ4_NL / IQ4_XS turn their nibbles into the table's levels with one
-//! `vpshufb`; IQ4_XS takes them as `w + 128` (`u8`) against the signed Q8_K activations and starts each
-//! lane (a group of 16) from `-128 · Σ x`, as Q6_K does with its offset of 32.
+//! 16-element sums). The others (Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL) make their levels the unsigned side
+//! too (Q8_0 and IQ4_NL as `w + 128`, Q4_0 and Q5_0 with their offset kept, Q5_1 as stored) against
+//! the signed Q8_0 / Q8_1 activations, and start each lane from `-off · Σ x` over its activations
+//! (Q5_1: from zero), computed once when the activations are prepared: the lane then holds exactly
+//! `Σ x · w` (docs/quantization.md, "Kernels"). IQ4_NL / IQ4_XS turn their nibbles into the table's
+//! levels with one `vpshufb`; IQ4_XS takes them as `w + 128` (`u8`) against the signed Q8_K
+//! activations and starts each lane (a group of 16) from `-128 · Σ x`, as Q6_K does with its offset
+//! of 32.
 //!
 //! Layouts. The activations are laid out once per product (`with_prepared`, `Format::prep`) in the
 //! order the weights decode to, and shared by every thread chunk. 32-element formats: a step is 4
 //! blocks, two vectors per operand; vector 0 holds elements 0..16 of the 4 blocks, vector 1 elements
 //! 16..32 (a 128-bit lane per block), so that both `vpdpbusd` of a step add into the same lanes and
 //! lane `4b..4b+4` sums 8 products of block `b`. One conversion, one scale product and one FMA then
-//! serve 4 blocks (the activations: `x + 128` in that order, then each block's scale over its 4
-//! lanes). k-quants: a step is one super-block, four vectors per operand, transposed so that lane `l`
-//! of all four belongs to one sub-block (`prep_k`): Q4_K / Q5_K a sub-block of 32 per qword (lanes
-//! `2j, 2j + 1`), Q6_K and IQ4_XS a group of 16 per i32 lane. The four `vpdpbusd` then chain into the same i32
-//! lanes (16 products each), converted once and multiplied by per-lane float scales (`d · sc`, exact)
-//! times `d_x`: 4 `vpdpbusd`, one conversion and 2 (Q6_K) or 3 (Q4_K / Q5_K, with the minimums
-//! against `d_x · bsums`) float operations per super-block and activation row. The weights get
-//! there with one two-source permute per vector (plus nibble and high-bit work).
+//! serve 4 blocks (the activations: as quantized, in that order, then each block's scale over its 4
+//! lanes and each lane's starting sum). k-quants: a step is one super-block, four vectors per
+//! operand, transposed so that lane `l` of all four belongs to one sub-block (`prep_k`): Q4_K / Q5_K
+//! a sub-block of 32 per qword (lanes `2j, 2j + 1`), Q6_K and IQ4_XS a group of 16 per i32 lane. The
+//! four `vpdpbusd` then chain into the same i32 lanes (16 products each), converted once and
+//! multiplied by per-lane float scales (`d · sc`, exact) times `d_x`: 4 `vpdpbusd`, one conversion
+//! and 2 (Q6_K) or 3 (Q4_K / Q5_K, with the minimums against `d_x · bsums`) float operations per
+//! super-block and activation row. The weights get there with one two-source permute per vector
+//! (plus nibble and high-bit work).
 //!
 //! Tiles: `R` weight rows × `C` activation rows. Each step's weights are decoded once per tile, a row
 //! at a time, and used for every activation row of the group; the next tile's bytes are prefetched
