@@ -63,7 +63,10 @@ fn logit_bound(file: &Value) -> f32 {
     match (file.get("outtype").and_then(Value::as_str), quantized) {
         (_, true) => 1.5,
         (Some("bf16"), _) => 3.0,
-        (Some("f16"), _) => 0.05,
+        // Measured on t1-f32-f16 and t3-dense-f16: 0.016-0.056 over tandem's AVX-512, AVX2 and scalar
+        // kernels against the goldens of two llama.cpp builds on different CPUs (llama.cpp itself moved
+        // by up to 7.7e-3 between them); the scalar kernels' sequential sums sit at the top.
+        (Some("f16"), _) => 0.08,
         _ => 0.02,
     }
 }
