@@ -750,6 +750,15 @@ pub struct PairReport {
     pub draft_step_ms: f64,
     pub target_step_ms: f64,
     pub draft_step_ratio: f64,
+    /// Where a round's time goes (rounds with drafts; means over all passes): its draft steps, its
+    /// verify forward, and the rest of the speculative decode's time (acceptance, sampling, cache
+    /// rollback, scheduling, and the steps `auto` runs without drafts), each per round.
+    pub round_draft_ms: f64,
+    pub round_verify_ms: f64,
+    pub round_other_ms: f64,
+    /// The speed-up the measured step times alone would give: tokens per round (accepted drafts plus
+    /// the target's own) times a plain step, over a round's draft and verify time.
+    pub projected_speedup: f64,
     /// With `--quantize`: the quantized target against the same checkpoint unquantized.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub quality: Option<QualityReport>,
@@ -855,6 +864,10 @@ impl PairReport {
             self.target_step_ms
         );
         s += &format!(
+            "\na round: draft {:.3} ms + verify {:.3} ms + other {:.3} ms; draft and verify alone would give {:.2}x",
+            self.round_draft_ms, self.round_verify_ms, self.round_other_ms, self.projected_speedup
+        );
+        s += &format!(
             "\noutput identical with and without drafting: {}\n",
             if self.identical_output { "yes" } else { "NO" }
         );
@@ -905,7 +918,7 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     let prompts = read_prompts(&opts.prompts)?;
     let (mut plain_s, mut spec_s, mut tokens) = (0.0, 0.0, 0usize);
     let (mut rounds, mut drafted, mut accepted) = (0usize, 0usize, 0usize);
-    let mut draft_s = 0.0;
+    let (mut draft_s, mut verify_s) = (0.0, 0.0);
     let mut by_position: Vec<usize> = Vec::new();
     let mut identical = true;
     // One policy for all prompts, as a server would keep one per model pair.
@@ -932,6 +945,7 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
             drafted += stats.drafted_tokens;
             accepted += stats.accepted_tokens;
             draft_s += stats.draft_seconds;
+            verify_s += stats.verify_seconds;
             if by_position.len() < stats.accepted_per_position.len() {
                 by_position.resize(stats.accepted_per_position.len(), 0);
             }
@@ -944,6 +958,12 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     let per_round = |n: usize| if rounds > 0 { n as f64 / rounds as f64 } else { 0.0 };
     let draft_step = if drafted > 0 { draft_s / drafted as f64 } else { 0.0 };
     let target_step = plain_s / tokens.max(1) as f64;
+    let per_round_ms = |secs: f64| if rounds > 0 { secs * 1e3 / rounds as f64 } else { 0.0 };
+    let projected_speedup = if rounds > 0 && draft_s + verify_s > 0.0 {
+        (accepted + rounds) as f64 * target_step / (draft_s + verify_s)
+    } else {
+        0.0
+    };
     let quality = match opts.quant.recipe {
         Some(r) => {
             log("measuring quality against the unquantized target...");
@@ -968,6 +988,10 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
         draft_step_ms: draft_step * 1e3,
         target_step_ms: target_step * 1e3,
         draft_step_ratio: draft_step / target_step.max(1e-12),
+        round_draft_ms: per_round_ms(draft_s),
+        round_verify_ms: per_round_ms(verify_s),
+        round_other_ms: per_round_ms((spec_s - draft_s - verify_s).max(0.0)),
+        projected_speedup,
         quality,
     })
 }

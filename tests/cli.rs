@@ -330,8 +330,13 @@ fn pair_bench_reports_acceptance_and_identical_output() {
         "speedup",
         "mean_accepted_per_round",
         "acceptance_rate",
+        "round_other_ms",
     ] {
         assert!(v[key].is_number(), "{key}");
+    }
+    // Every round drafts and verifies, and the projection from those step times is a speed-up.
+    for key in ["round_draft_ms", "round_verify_ms", "projected_speedup"] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
     }
     assert_eq!(v["acceptance_by_position"].as_array().unwrap().len(), 4);
     // Three passes by default: the speed-up is the median of theirs.
