@@ -440,7 +440,26 @@ fn engine_run(
     new_tokens: usize,
     draft: Option<crate::decode::draft_policy::DraftPolicy>,
 ) -> Result<EngineRun> {
-    use crate::engine::{Event, Limits, Prompt, Request, Scheduler};
+    engine_run_on(models, &mut bench_scheduler(models), prompt, new_tokens, draft)
+}
+
+/// A scheduler that runs one request at a time and keeps no finished caches (no prefix reuse between
+/// the benchmark's requests).
+fn bench_scheduler(models: &crate::engine::Models) -> crate::engine::Scheduler<'_> {
+    use crate::engine::{Limits, Scheduler};
+    Scheduler::new(models, Limits { max_active: 1, pool: 0, ..Limits::default() })
+}
+
+/// [`engine_run`] on the scheduler `s` (idle, over `models`), which keeps what it measured for the
+/// next request.
+fn engine_run_on(
+    models: &crate::engine::Models,
+    s: &mut crate::engine::Scheduler<'_>,
+    prompt: &[u32],
+    new_tokens: usize,
+    draft: Option<crate::decode::draft_policy::DraftPolicy>,
+) -> Result<EngineRun> {
+    use crate::engine::{Event, Prompt, Request};
     let opts = crate::decode::generate::GenerateOptions {
         max_new_tokens: new_tokens,
         ignore_eos: true,
@@ -448,7 +467,6 @@ fn engine_run(
         top_logprobs: None,
         context_limit: models.target.cfg.max_position_embeddings,
     };
-    let mut s = Scheduler::new(models, Limits { max_active: 1, pool: 0, ..Limits::default() });
     let t0 = Instant::now();
     let h = s.submit(Request {
         prompt: Prompt::Ids(prompt.to_vec()),
@@ -909,8 +927,10 @@ pub fn read_prompts(path: &std::path::Path) -> Result<Vec<Vec<u32>>> {
     Ok(prompts)
 }
 
-/// Run every prompt greedily without and with drafting through the engine, one request at a time as
-/// `tandem generate` runs them, interleaved so both see the same machine.
+/// Run every prompt greedily without and with drafting through the engine, one request at a time,
+/// interleaved so both see the same machine. The drafting requests go through one scheduler, so
+/// `auto` keeps the step costs it measured from one request to the next, as in a server (a `tandem
+/// generate` process measures them anew).
 pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     let target = TargetModel::load_with(&opts.target, opts.quant.recipe, |l| log(&l))?;
     let assistant = Assistant::load_for_with(&opts.assistant, &target.cfg, opts.quant.assistant_recipe(), |l| log(&l))?;
@@ -921,8 +941,10 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     let (mut draft_s, mut verify_s) = (0.0, 0.0);
     let mut by_position: Vec<usize> = Vec::new();
     let mut identical = true;
-    // One policy for all prompts, as a server would keep one per model pair.
+    // One policy for all prompts, and one scheduler for the drafting runs (its measured step costs and
+    // what `auto` learned of the drafter kept from request to request), as a server keeps them.
     let mut policy = Some(crate::decode::draft_policy::DraftPolicy::from(opts.draft));
+    let mut drafting = bench_scheduler(&models);
     // A warm-up request: the first pass over the files' pages pays for mapping them.
     engine_run(&models, &prompts[0], 2, None)?;
     let repeats = opts.repeats.max(1);
@@ -933,7 +955,7 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
             let pass = if repeats > 1 { format!(", pass {}/{repeats}", rep + 1) } else { String::new() };
             log(&format!("prompt {}/{}{pass}", i + 1, prompts.len()));
             let plain = engine_run(&models, p, opts.max_new_tokens, None)?;
-            let spec = engine_run(&models, p, opts.max_new_tokens, policy.take())?;
+            let spec = engine_run_on(&models, &mut drafting, p, opts.max_new_tokens, policy.take())?;
             policy = spec.policy;
             let stats = spec.spec.unwrap_or_default();
             identical &= plain.tokens == spec.tokens;
