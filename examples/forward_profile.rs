@@ -2,11 +2,13 @@
 //! step without the rest of a run around it.
 //!
 //! cargo run --release --example forward_profile -- MODEL_DIR [ROWS] [ITERATIONS] [SEQUENCES] [--sections]
+//!                                                  [--quantize RECIPE]
 //!
 //! Prefills 128 tokens into each of SEQUENCES caches (default 1), then runs ITERATIONS forwards of
 //! ROWS tokens per sequence, all sequences in one batched forward as the engine steps them (each
 //! rolled back), and prints the median time of one. With `--sections`, the forwards also time their
 //! parts (`tandem::model::sections`; docs/numerics.md, "Where a step's time goes") and print them.
+//! With `--quantize RECIPE` (q8_0, q4_0, q4_k_m), the model is quantized at load as `--quantize` does.
 
 use std::time::Instant;
 use tandem::model::{Keep, SeqInput, TargetModel};
@@ -15,13 +17,22 @@ fn main() -> anyhow::Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let sections = args.iter().any(|a| a == "--sections");
     args.retain(|a| a != "--sections");
-    let usage = "usage: forward_profile MODEL_DIR [ROWS] [ITERATIONS] [SEQUENCES] [--sections]";
+    let usage = "usage: forward_profile MODEL_DIR [ROWS] [ITERATIONS] [SEQUENCES] [--sections] [--quantize RECIPE]";
+    let recipe = match args.iter().position(|a| a == "--quantize") {
+        Some(i) => {
+            let r = args.get(i + 1).ok_or_else(|| anyhow::anyhow!("{usage}: --quantize needs a recipe"))?;
+            let r = tandem::quantize::Recipe::parse(r)?;
+            args.drain(i..i + 2);
+            Some(r)
+        }
+        None => None,
+    };
     let dir = args.first().ok_or_else(|| anyhow::anyhow!(usage))?;
     let rows: usize = args.get(1).map_or(Ok(1), |s| s.parse())?;
     let iters: usize = args.get(2).map_or(Ok(20), |s| s.parse())?;
     let n_seqs: usize = args.get(3).map_or(Ok(1), |s| s.parse())?;
     anyhow::ensure!(rows > 0 && iters > 0 && n_seqs > 0, "{usage}: every count must be positive");
-    let model = TargetModel::load(std::path::Path::new(dir))?;
+    let model = TargetModel::load_with(std::path::Path::new(dir), recipe, |line| eprintln!("{line}"))?;
     let vocab = model.cfg.vocab_size as u32;
     let mut caches = Vec::with_capacity(n_seqs);
     for s in 0..n_seqs as u32 {
