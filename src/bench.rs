@@ -977,10 +977,9 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
         }
         by_repetition.push((plain_s - rep_plain) / (spec_s - rep_spec).max(1e-9));
     }
-    let per_round = |n: usize| if rounds > 0 { n as f64 / rounds as f64 } else { 0.0 };
+    let per_round = |x: f64| if rounds > 0 { x / rounds as f64 } else { 0.0 };
     let draft_step = if drafted > 0 { draft_s / drafted as f64 } else { 0.0 };
     let target_step = plain_s / tokens.max(1) as f64;
-    let per_round_ms = |secs: f64| if rounds > 0 { secs * 1e3 / rounds as f64 } else { 0.0 };
     let projected_speedup = if rounds > 0 && draft_s + verify_s > 0.0 {
         (accepted + rounds) as f64 * target_step / (draft_s + verify_s)
     } else {
@@ -1003,16 +1002,16 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
         speculative_decode_tokens_per_s: tokens as f64 / spec_s.max(1e-9),
         speedup: median(by_repetition.clone()),
         speedup_by_repetition: by_repetition,
-        mean_accepted_per_round: per_round(accepted),
+        mean_accepted_per_round: per_round(accepted as f64),
         acceptance_rate: if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
-        acceptance_by_position: by_position.iter().map(|&n| per_round(n)).collect(),
+        acceptance_by_position: by_position.iter().map(|&n| per_round(n as f64)).collect(),
         identical_output: identical,
         draft_step_ms: draft_step * 1e3,
         target_step_ms: target_step * 1e3,
         draft_step_ratio: draft_step / target_step.max(1e-12),
-        round_draft_ms: per_round_ms(draft_s),
-        round_verify_ms: per_round_ms(verify_s),
-        round_other_ms: per_round_ms((spec_s - draft_s - verify_s).max(0.0)),
+        round_draft_ms: per_round(draft_s) * 1e3,
+        round_verify_ms: per_round(verify_s) * 1e3,
+        round_other_ms: per_round((spec_s - draft_s - verify_s).max(0.0)) * 1e3,
         projected_speedup,
         quality,
     })
