@@ -867,11 +867,9 @@ fn kmin_idx(k: usize) -> __m512i {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
 unsafe fn kmin_scales(p: *const u8, odd16: bool) -> (__m512, __m512) {
-    let word = |at: usize| (p.add(at) as *const u32).read_unaligned();
-    let (sc8, mn8) = super::quant::scales_mins_k4(word(4), word(8), word(12));
     // Lanes 0..8 the scales, 8..16 the minimums; times d (8 lanes) and dmin (8 lanes).
-    let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(mn8 as i64, sc8 as i64)));
-    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(word(0) as i32));
+    let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(super::avx2_quant::scales_mins_k4(p)));
+    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u32).read_unaligned() as i32));
     let by8 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     let mut dd = _mm512_permutexvar_ps(by8, _mm512_castps128_ps512(dm));
     if odd16 {

@@ -376,20 +376,6 @@ pub(crate) fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     }
 }
 
-/// All eight 6-bit scales and minimums of a k-quant super-block at once, from its 12 packed bytes read as
-/// three little-endian words: byte `j` of the first result is sub-block `j`'s scale, of the second its
-/// minimum (what [`scale_min_k4`] gives one at a time; the SIMD kernels widen these bytes into lanes).
-#[inline]
-pub(crate) fn scales_mins_k4(u0: u32, u1: u32, u2: u32) -> (u64, u64) {
-    // Sub-blocks 0..4: the low 6 bits of bytes 0..4 (scales) and 4..8 (minimums); 4..8: the nibbles of
-    // bytes 8..12 with the top two bits of bytes 0..4 / 4..8 above them.
-    let sc_lo = u0 & 0x3f3f_3f3f;
-    let mn_lo = u1 & 0x3f3f_3f3f;
-    let sc_hi = (u2 & 0x0f0f_0f0f) | (((u0 >> 6) & 0x0303_0303) << 4);
-    let mn_hi = ((u2 >> 4) & 0x0f0f_0f0f) | (((u1 >> 6) & 0x0303_0303) << 4);
-    (sc_lo as u64 | ((sc_hi as u64) << 32), mn_lo as u64 | ((mn_hi as u64) << 32))
-}
-
 /// Q4_K (`nmax` 15) and Q5_K (`nmax` 31): a super-block of 8 sub-blocks of 32, each with a 6-bit scale
 /// and minimum relative to the super-block's f16 `d` and `dmin`.
 fn quantize_qk_min(x: &[f32], o: &mut [u8], nmax: i32) {
