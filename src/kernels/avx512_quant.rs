@@ -192,9 +192,12 @@ trait Format {
     const LINES: usize;
     /// A decoded step (plain vectors; all-zero bits is a valid value).
     type W: Copy;
-    /// Whether a tile decodes and uses its weight rows one at a time (the k-quants: fewer live
-    /// registers) rather than all rows' steps first, then activation row by activation row (the
-    /// 32-element formats, measured a little faster so).
+    /// Whether a tile decodes and uses its weight rows one at a time (Q4_K and Q5_K, whose decoded
+    /// super-block is six vectors: four rows of it beside the accumulators would not fit the
+    /// registers) rather than all rows' steps first, then activation row by activation row, each
+    /// activation vector loaded once for the tile's rows (the 32-element formats, and Q6_K and
+    /// IQ4_XS, five vectors: docs/quantization.md, "Tiles of the k-quants"). Each accumulator gets the
+    /// same steps in the same order either way.
     const ROW_AT_A_TIME: bool;
     /// Whether a tile asks for the next tile into L2 (`prefetcht1`) rather than L1 (`prefetcht0`)
     /// (docs/quantization.md, "Prefetching Q8_0 tiles").
@@ -980,7 +983,7 @@ struct K6 {
 }
 
 impl Format for Q6K {
-    const ROW_AT_A_TIME: bool = true;
+    const ROW_AT_A_TIME: bool = false;
     const BB: usize = 210;
     const SB: usize = 1;
     const LINES: usize = 5;
@@ -1084,7 +1087,7 @@ impl Format for IQ4NL {
 }
 
 impl Format for IQ4XS {
-    const ROW_AT_A_TIME: bool = true;
+    const ROW_AT_A_TIME: bool = false;
     const BB: usize = 136;
     const SB: usize = 1;
     const LINES: usize = 5;
