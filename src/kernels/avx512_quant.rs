@@ -222,6 +222,9 @@ trait Format {
     unsafe fn dot(w: &Self::W, a: &Act, st: usize, acc: __m512) -> __m512;
 }
 
+/// How far ahead, at least, a tile of a format prefetched into L2 asks for weights.
+const PF_AHEAD_BYTES: usize = 4096;
+
 /// The largest activation group: 8 rows take 16 accumulators at 2 weight rows per tile.
 const GROUP_MAX: usize = 8;
 
@@ -259,18 +262,25 @@ unsafe fn run<F: Format>(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]], walk:
     let ngroups = m.div_ceil(GROUP_MAX);
     let rmax = if walk == Walk::Rows { 1 } else { tile_rows(group(m, 0).1) };
     let shape = Shape { rb, full, tail };
+    // Tiles ahead whose bytes a tile asks for: the next one, or for formats prefetched into L2 the
+    // first that starts at least `PF_AHEAD_BYTES` on (short rows: the shipped pair's 408-byte Q8_0 rows).
+    let ahead = if F::PREFETCH_L2 { PF_AHEAD_BYTES.div_ceil(rmax * rb).max(1) } else { 1 };
     let mut j = 0;
     while j < n {
         let r = if n - j >= rmax { rmax } else { 1 };
         let wp = w.data.as_ptr().add(j * rb);
         for gi in 0..ngroups {
             let (g0, c) = group(m, gi);
-            // The first group's pass prefetches the next tile (the same number of rows, or what is left).
-            let pf = if gi == 0 && walk == Walk::Tiles { r.min(n - j - r) * rb } else { 0 };
+            // The first group's pass prefetches the tile `ahead` on (the same number of rows, or what is left).
+            let (pf_off, pf) = if gi == 0 && walk == Walk::Tiles {
+                ((ahead - 1) * r * rb, r.min(n.saturating_sub(j + ahead * r)) * rb)
+            } else {
+                (0, 0)
+            };
             macro_rules! shape {
                 ($r:literal, $c:literal) => {{
                     let x: [Act; $c] = std::array::from_fn(|i| act(g0 + i));
-                    let res = tile::<F, $r, $c>(wp, &shape, pf, &x);
+                    let res = tile::<F, $r, $c>(wp, &shape, pf_off, pf, &x);
                     for (rr, row) in res.iter().enumerate() {
                         for (cc, &v) in row.iter().enumerate() {
                             out[g0 + cc][j + rr] = v;
@@ -324,11 +334,12 @@ struct Shape {
 unsafe fn tile<F: Format, const R: usize, const C: usize>(
     w: *const u8,
     s: &Shape,
+    pf_off: usize,
     pf: usize,
     x: &[Act; C],
 ) -> [[f32; C]; R] {
     let mut acc = [[_mm512_setzero_ps(); C]; R];
-    let next = w.wrapping_add(R * s.rb);
+    let next = w.wrapping_add(R * s.rb + pf_off);
     let (mut pf_at, mut pf_end, pf_step) = (0, 0, pf.div_ceil(s.full.max(1)));
     let step_bytes = F::SB * F::BB;
     for st in 0..s.full {
