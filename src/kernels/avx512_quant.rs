@@ -19,7 +19,10 @@
 //! 16..32 (a 128-bit lane per block), so that both `vpdpbusd` of a step add into the same lanes and
 //! lane `4b..4b+4` sums 8 products of block `b`. One conversion, one scale product and one FMA then
 //! serve 4 blocks (the activations: as quantized, in that order, then each block's scale over its 4
-//! lanes and each lane's starting sum). k-quants: a step is one super-block, four vectors per
+//! lanes and each lane's starting sum). Q8_0 rows of 16 blocks or more (`q8_lanes`) go a whole
+//! block per i32 lane instead (`Q8Lanes`): a step is 16 blocks, eight vectors per operand (the
+//! blocks transposed as they are read), and one conversion, scale product and FMA serve all 16
+//! (docs/quantization.md, "Q8_0 a block per lane"). k-quants: a step is one super-block, four vectors per
 //! operand, transposed so that lane `l` of all four belongs to one sub-block (`prep_k`): Q4_K / Q5_K
 //! a sub-block of 32 per qword (lanes `2j, 2j + 1`), Q6_K and IQ4_XS a group of 16 per i32 lane. The
 //! four `vpdpbusd` then chain into the same i32 lanes (16 products each), converted once and
@@ -85,6 +88,7 @@ pub fn with_prepared<T>(acts: &QActs, qtype: QType, f: impl FnOnce(&Prepared) ->
     // SAFETY: the CPU has the features (asserted); `prep_rows` sizes the buffer itself.
     let per_row = unsafe {
         match qtype {
+            QType::Q8_0 if q8_lanes(acts.cols) => prep_rows::<Q8Lanes>(acts, &mut buf),
             QType::Q8_0 => prep_rows::<Q8_0<false>>(acts, &mut buf),
             QType::Q4_0 => prep_rows::<Q4_0>(acts, &mut buf),
             QType::Q5_0 => prep_rows::<Q5_0>(acts, &mut buf),
@@ -161,6 +165,7 @@ pub(super) fn matmul_walk(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]], walk
     // read stays inside `w.data` and the prepared rows.
     unsafe {
         match w.qtype {
+            QType::Q8_0 if q8_lanes(w.cols) => run::<Q8Lanes>(p, w, out, walk),
             QType::Q8_0 if vbmi() => run::<Q8_0<true>>(p, w, out, walk),
             QType::Q8_0 => run::<Q8_0<false>>(p, w, out, walk),
             QType::Q4_0 => run::<Q4_0>(p, w, out, walk),
@@ -214,6 +219,31 @@ trait Format {
     /// # Safety
     /// AVX-512 VNNI CPU; `b` readable for `SB · BB` bytes.
     unsafe fn decode(b: *const u8) -> Self::W;
+
+    /// Decode the row's last `t < SB` blocks at `b` (the rest of the step zero): by default a copy
+    /// into a zeroed step (zero scales, so the missing blocks add zeros; their prepared activations
+    /// are zero too).
+    ///
+    /// # Safety
+    /// AVX-512 VNNI CPU; `b` readable for `t · BB` bytes, `t · BB` at most 136.
+    #[inline(always)]
+    unsafe fn decode_tail(b: *const u8, t: usize) -> Self::W {
+        let mut tmp = [0u8; 4 * 34];
+        debug_assert!(t * Self::BB <= tmp.len());
+        std::ptr::copy_nonoverlapping(b, tmp.as_mut_ptr(), t * Self::BB);
+        Self::decode(tmp.as_ptr())
+    }
+
+    /// `dot` of one decoded step with each of the activation rows `x`, into `acc`.
+    ///
+    /// # Safety
+    /// As `dot`.
+    #[inline(always)]
+    unsafe fn dots<const C: usize>(w: &Self::W, x: &[Act; C], st: usize, acc: &mut [__m512; C]) {
+        for (a, xc) in acc.iter_mut().zip(x) {
+            *a = Self::dot(w, xc, st, *a);
+        }
+    }
 
     /// `acc` plus step `st` of the row `w` came from times step `st` of `a`.
     ///
@@ -361,9 +391,7 @@ unsafe fn tile<F: Format, const R: usize, const C: usize>(
             // registers a row needs beside the accumulators.
             unroll::<R>(|r| {
                 let wd = F::decode(w.add(r * s.rb + st * step_bytes));
-                for (a, xc) in acc[r].iter_mut().zip(x) {
-                    *a = F::dot(&wd, xc, st, *a);
-                }
+                F::dots(&wd, x, st, &mut acc[r]);
             });
         } else {
             let mut wd: [F::W; R] = std::mem::zeroed();
@@ -378,17 +406,12 @@ unsafe fn tile<F: Format, const R: usize, const C: usize>(
         }
     }
     if s.tail > 0 {
-        // The last blocks, copied into a zeroed step: zero scales, so the missing blocks add zeros
-        // (their prepared activations are zero too).
+        // The last blocks (`Format::decode_tail`).
         let st = s.full;
-        for (r, row) in acc.iter_mut().enumerate() {
-            let mut tmp = [0u8; 4 * 34];
-            std::ptr::copy_nonoverlapping(w.add(r * s.rb + st * step_bytes), tmp.as_mut_ptr(), s.tail * F::BB);
-            let wd = F::decode(tmp.as_ptr());
-            for (a, xc) in row.iter_mut().zip(x) {
-                *a = F::dot(&wd, xc, st, *a);
-            }
-        }
+        unroll::<R>(|r| {
+            let wd = F::decode_tail(w.add(r * s.rb + st * step_bytes), s.tail);
+            F::dots(&wd, x, st, &mut acc[r]);
+        });
     }
     let mut res = [[0f32; C]; R];
     for r in 0..R {
@@ -1139,11 +1162,275 @@ impl Format for IQ4XS {
     }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Q8_0 a whole block per lane
+
+/// A decoded `Q8Lanes` step: vector `v`, lane `l` holds bytes `4v..4v + 4` of block `l`'s levels as
+/// `w + 128`; `d` block `l`'s scale in lane `l`.
+#[derive(Clone, Copy)]
+struct StepLanes {
+    w: [__m512i; 8],
+    d: __m512,
+}
+
+/// 16 blocks of 32 bytes (`blk[l]`, block `l`) as 8 vectors whose lane `l` holds dword `v` of block
+/// `l`: a 16 x 8 transpose of 32-bit words in 32 operations. (No closures here or in the callers'
+/// vector code: a closure does not get its function's target features, and its intrinsics would
+/// become calls.)
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn transpose_blocks(blk: &[__m256i; 16]) -> [__m512i; 8] {
+    // z_j: block j in the low half, block j + 8 in the high half; then an 8 x 8 transpose in each half.
+    let z0 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(blk[0]), blk[8]);
+    let z1 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(blk[1]), blk[9]);
+    let z2 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(blk[2]), blk[10]);
+    let z3 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(blk[3]), blk[11]);
+    let z4 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(blk[4]), blk[12]);
+    let z5 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(blk[5]), blk[13]);
+    let z6 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(blk[6]), blk[14]);
+    let z7 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(blk[7]), blk[15]);
+    let t0 = _mm512_unpacklo_epi32(z0, z1);
+    let t1 = _mm512_unpackhi_epi32(z0, z1);
+    let t2 = _mm512_unpacklo_epi32(z2, z3);
+    let t3 = _mm512_unpackhi_epi32(z2, z3);
+    let t4 = _mm512_unpacklo_epi32(z4, z5);
+    let t5 = _mm512_unpackhi_epi32(z4, z5);
+    let t6 = _mm512_unpacklo_epi32(z6, z7);
+    let t7 = _mm512_unpackhi_epi32(z6, z7);
+    // Per 128-bit lane: u0 = dword 0 (low lanes) / 4 (high lanes) of blocks 0..4 of the half, u4 of blocks 4..8.
+    let u0 = _mm512_unpacklo_epi64(t0, t2);
+    let u1 = _mm512_unpackhi_epi64(t0, t2);
+    let u2 = _mm512_unpacklo_epi64(t1, t3);
+    let u3 = _mm512_unpackhi_epi64(t1, t3);
+    let u4 = _mm512_unpacklo_epi64(t4, t6);
+    let u5 = _mm512_unpackhi_epi64(t4, t6);
+    let u6 = _mm512_unpacklo_epi64(t5, t7);
+    let u7 = _mm512_unpackhi_epi64(t5, t7);
+    let lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    let hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    [
+        _mm512_permutex2var_epi64(u0, lo, u4),
+        _mm512_permutex2var_epi64(u1, lo, u5),
+        _mm512_permutex2var_epi64(u2, lo, u6),
+        _mm512_permutex2var_epi64(u3, lo, u7),
+        _mm512_permutex2var_epi64(u0, hi, u4),
+        _mm512_permutex2var_epi64(u1, hi, u5),
+        _mm512_permutex2var_epi64(u2, hi, u6),
+        _mm512_permutex2var_epi64(u3, hi, u7),
+    ]
+}
+
+/// The levels and scales of `t <= 16` Q8_0 blocks stored as they are (34 bytes each) at `b`,
+/// transposed to a block per lane (lanes from `t` on zero).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+unsafe fn q8_lanes_from_blocks(b: *const u8, t: usize) -> StepLanes {
+    let mut blk = [_mm256_setzero_si256(); 16];
+    for (l, v) in blk.iter_mut().enumerate().take(t) {
+        *v = _mm256_loadu_si256(b.add(34 * l + 2) as *const __m256i);
+    }
+    let c = _mm512_set1_epi8(0x80u8 as i8);
+    let m = ((1u32 << t) - 1) as u16;
+    // The missing blocks' lanes stay zero (their activations are zero too).
+    let mut w = transpose_blocks(&blk);
+    for v in w.iter_mut() {
+        *v = _mm512_mask_xor_epi32(*v, m, *v, c);
+    }
+    // Each scale read as the low half of a 32-bit word (its block's first two levels above it).
+    let offs = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(34),
+    );
+    let words = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), m, offs, b as *const i32);
+    StepLanes { w, d: _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)) }
+}
+
+/// Blocks per step of `Q8Lanes`: one per i32 lane.
+const LANE_BLOCKS: usize = 16;
+
+/// Whether Q8_0 rows of `cols` weights go through `Q8Lanes`: rows of `LANE_BLOCKS` blocks or more.
+/// Shorter ones (the shipped pair's 384) would leave lanes idle in their only step and pay the
+/// transposition for few products: [1536, 384] took 34 µs instead of 19 at one row, 60 instead of 50
+/// at five (docs/quantization.md, "Q8_0 a block per lane"). A property of the matrix, not of the
+/// number of rows, so each output keeps one sequence of operations.
+fn q8_lanes(cols: usize) -> bool {
+    cols / 32 >= LANE_BLOCKS
+}
+
+/// Q8_0 with a whole block per i32 lane, 16 blocks a step: eight `vpdpbusd` finish 16 blocks, and
+/// one conversion, scale product and FMA serve all of them, where the 4-block step needs four of
+/// each (docs/quantization.md, "Q8_0 a block per lane"). The blocks are transposed as they are read
+/// (`q8_lanes_from_blocks`), the activations once when they are prepared.
+struct Q8Lanes;
+
+impl Format for Q8Lanes {
+    const PREFETCH_L2: bool = true;
+    const ROW_AT_A_TIME: bool = true;
+    const BB: usize = 34;
+    const SB: usize = LANE_BLOCKS;
+    const LINES: usize = 10;
+    type W = StepLanes;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn prep(acts: &QActs, r: usize, steps: usize, out: *mut __m512i) {
+        let nb = acts.blocks();
+        let (q, d) = (acts.row_qs(r).as_ptr(), acts.row_d(r).as_ptr());
+        let ones = _mm512_set1_epi8(1);
+        for st in 0..steps {
+            let t = (nb - LANE_BLOCKS * st).min(LANE_BLOCKS);
+            let (q, d) = (q.add(32 * LANE_BLOCKS * st), d.add(LANE_BLOCKS * st));
+            let mut blk = [_mm256_setzero_si256(); 16];
+            for (l, v) in blk.iter_mut().enumerate().take(t) {
+                *v = _mm256_loadu_si256(q.add(32 * l) as *const __m256i);
+            }
+            let x = transpose_blocks(&blk);
+            let o = out.add(st * Self::LINES);
+            let mut sum = _mm512_setzero_si512();
+            for (v, xv) in x.iter().enumerate() {
+                o.add(v).write(*xv);
+                sum = _mm512_dpbusd_epi32(sum, ones, *xv);
+            }
+            // -128 · Σ x of each block: the levels are multiplied as w + 128.
+            o.add(8).write(_mm512_mullo_epi32(sum, _mm512_set1_epi32(-128)));
+            let m = ((1u32 << t) - 1) as u16;
+            o.add(9).write(_mm512_castps_si512(_mm512_maskz_loadu_ps(m, d)));
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode(b: *const u8) -> StepLanes {
+        q8_lanes_from_blocks(b, LANE_BLOCKS)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode_tail(b: *const u8, t: usize) -> StepLanes {
+        q8_lanes_from_blocks(b, t)
+    }
+
+    /// `dot`'s operations for each row, with the rows' eight-step `vpdpbusd` chains interleaved so
+    /// that independent ones follow each other (one row's chain after another: 1.2x slower at five
+    /// rows). No closures (see `transpose_blocks`).
+    #[inline(always)]
+    unsafe fn dots<const C: usize>(w: &StepLanes, x: &[Act; C], st: usize, acc: &mut [__m512; C]) {
+        let mut xs = [std::ptr::null::<__m512i>(); C];
+        let mut s = [_mm512_setzero_si512(); C];
+        for c in 0..C {
+            xs[c] = x[c].x.add(st * Self::LINES);
+            s[c] = xs[c].add(8).read();
+        }
+        for (v, wv) in w.w.iter().enumerate() {
+            for c in 0..C {
+                s[c] = _mm512_dpbusd_epi32(s[c], *wv, xs[c].add(v).read());
+            }
+        }
+        for c in 0..C {
+            let dd = _mm512_mul_ps(w.d, _mm512_castsi512_ps(xs[c].add(9).read()));
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[c]), dd, acc[c]);
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn dot(w: &StepLanes, a: &Act, st: usize, acc: __m512) -> __m512 {
+        let x = a.x.add(st * Self::LINES);
+        let mut s = x.add(8).read();
+        for (v, wv) in w.w.iter().enumerate() {
+            s = _mm512_dpbusd_epi32(s, *wv, x.add(v).read());
+        }
+        let dd = _mm512_mul_ps(w.d, _mm512_castsi512_ps(x.add(9).read()));
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::kernels::quant::quantize_acts;
     use crate::kernels::tests::Rng;
+
+    /// `Q8Lanes` decodes `t` blocks (a whole step, or a row's last partial one) to lane `l` of vector
+    /// `v` = levels `4v..4v + 4` of block `l` as `w + 128`, scale `l` in lane `l`, and zeros in the
+    /// lanes past `t`; its prepared activations hold the same arrangement, `-128 · Σ x` per block and
+    /// the block scales.
+    #[test]
+    fn q8_lanes_transpose_blocks() {
+        if !supported() {
+            eprintln!("no AVX-512 VNNI on this CPU: Q8Lanes not tested");
+            return;
+        }
+        let mut rng = Rng(41);
+        for t in 1..=LANE_BLOCKS {
+            let mut step: Vec<u8> = (0..34 * t).map(|_| rng.next() as u8).collect();
+            for b in step.chunks_exact_mut(34) {
+                b[..2].copy_from_slice(&half::f16::from_f32(rng.f32()).to_bits().to_le_bytes());
+            }
+            // SAFETY: `34 t` readable bytes; the CPU has the features (checked above).
+            let got = unsafe {
+                if t == LANE_BLOCKS {
+                    Q8Lanes::decode(step.as_ptr())
+                } else {
+                    Q8Lanes::decode_tail(step.as_ptr(), t)
+                }
+            };
+            let (mut w, mut d) = ([[0u8; 64]; 8], [0f32; 16]);
+            // SAFETY: AVX-512F (checked above); each store writes 64 bytes inside its array.
+            unsafe {
+                for (o, v) in w.iter_mut().zip(&got.w) {
+                    _mm512_storeu_si512(o.as_mut_ptr() as *mut _, *v);
+                }
+                _mm512_storeu_ps(d.as_mut_ptr(), got.d);
+            }
+            for l in 0..LANE_BLOCKS {
+                let want_d =
+                    if l < t { half::f16::from_le_bytes([step[34 * l], step[34 * l + 1]]).to_f32() } else { 0.0 };
+                assert_eq!(d[l].to_bits(), want_d.to_bits(), "{t} blocks: scale of lane {l}");
+                for (v, wv) in w.iter().enumerate() {
+                    for j in 0..4 {
+                        let want = if l < t { step[34 * l + 2 + 4 * v + j] ^ 0x80 } else { 0 };
+                        assert_eq!(wv[4 * l + j], want, "{t} blocks: lane {l}, vector {v}, byte {j}");
+                    }
+                }
+            }
+        }
+        for blocks in [16, 22, 48] {
+            let cols = 32 * blocks;
+            let acts = quantize_acts(QType::Q8_0, &rng.vec(2 * cols, 2.0), 2, cols);
+            let steps = blocks.div_ceil(LANE_BLOCKS);
+            let mut buf = Vec::new();
+            // SAFETY: the CPU has the features (checked above).
+            let per_row = unsafe { prep_rows::<Q8Lanes>(&acts, &mut buf) };
+            assert_eq!(per_row, steps * Q8Lanes::LINES);
+            for r in 0..2 {
+                let (q, dx) = (acts.row_qs(r), acts.row_d(r));
+                for st in 0..steps {
+                    // SAFETY: a 512-bit vector is 64 bytes.
+                    let lines: Vec<[i32; 16]> = (0..Q8Lanes::LINES)
+                        .map(|i| unsafe {
+                            std::mem::transmute::<__m512i, [i32; 16]>(buf[r * per_row + st * Q8Lanes::LINES + i])
+                        })
+                        .collect();
+                    for l in 0..LANE_BLOCKS {
+                        let blk = LANE_BLOCKS * st + l;
+                        let x: &[i8] = if blk < blocks { &q[32 * blk..32 * blk + 32] } else { &[0; 32] };
+                        for (v, line) in lines[..8].iter().enumerate() {
+                            let bytes = line[l].to_le_bytes().map(|b| b as i8);
+                            assert_eq!(
+                                bytes,
+                                x[4 * v..4 * v + 4],
+                                "{blocks} blocks, row {r}, step {st}, lane {l}, vector {v}"
+                            );
+                        }
+                        let sum: i32 = x.iter().map(|&v| v as i32).sum();
+                        assert_eq!(lines[8][l], -128 * sum, "{blocks} blocks, row {r}, step {st}, lane {l}: offset");
+                        let want_d = if blk < blocks { dx[blk] } else { 0.0 };
+                        assert_eq!(f32::from_bits(lines[9][l] as u32).to_bits(), want_d.to_bits(), "activation scale");
+                    }
+                }
+            }
+        }
+    }
 
     /// `decode_vbmi` decodes every step, whole or a row's last partial one, to the very vectors `Q8_0`
     /// does, so products over it have the same bits at every row count.

@@ -119,8 +119,9 @@ fn simd_matches_reference_on_many_shapes() {
         let be = qt.block_elems();
         let mut shapes = vec![(1, be), (5, 2 * be), (13, 3 * be), (203, be), (13, 1536), (5, 6144)];
         if be == 32 {
-            // Whole 4-block steps of the AVX-512 kernels plus 1, 2 or 3 blocks.
-            shapes.extend([(203, 96), (7, 5 * 32), (6, 7 * 32), (9, 6 * 32)]);
+            // Whole 4-block steps of the AVX-512 kernels plus 1, 2 or 3 blocks; for Q8_0, whole
+            // 16-block steps plus 6 or 2 blocks (the 26B-A4B's rows of 704 and 2112).
+            shapes.extend([(203, 96), (7, 5 * 32), (6, 7 * 32), (9, 6 * 32), (9, 22 * 32), (5, 66 * 32)]);
         }
         for (rows, cols) in shapes {
             let data = quantize(qt, rows, cols, &rng.vec(rows * cols, 1.0));
@@ -341,9 +342,11 @@ fn avx512_vnni_kernels_direct() {
     let mut rng = Rng(9);
     for qt in QType::ALL {
         let be = qt.block_elems();
-        let cols = if be == 32 { 7 * 32 } else { 2 * be };
+        // 32-weight formats: a partial last step of 4 blocks, and (Q8_0's 16-block steps) one whole
+        // step and a partial one.
+        let widths = if be == 32 { vec![7 * 32, 22 * 32] } else { vec![2 * be] };
         let rows = 11;
-        for raw in [false, true] {
+        for (cols, raw) in widths.into_iter().flat_map(|c| [(c, false), (c, true)]) {
             let data = if raw {
                 random_blocks(&mut rng, qt, rows, cols)
             } else {
