@@ -1220,6 +1220,11 @@ unsafe fn transpose_blocks(blk: &[__m256i; 16]) -> [__m512i; 8] {
     ]
 }
 
+/// The mask of the 32-bit lanes below `t <= 16`.
+fn lanes_below(t: usize) -> u16 {
+    ((1u32 << t) - 1) as u16
+}
+
 /// The levels and scales of `t <= 16` Q8_0 blocks stored as they are (34 bytes each) at `b`,
 /// transposed to a block per lane (lanes from `t` on zero).
 #[inline]
@@ -1230,7 +1235,7 @@ unsafe fn q8_lanes_from_blocks(b: *const u8, t: usize) -> StepLanes {
         *v = _mm256_loadu_si256(b.add(34 * l + 2) as *const __m256i);
     }
     let c = _mm512_set1_epi8(0x80u8 as i8);
-    let m = ((1u32 << t) - 1) as u16;
+    let m = lanes_below(t);
     // The missing blocks' lanes stay zero (their activations are zero too).
     let mut w = transpose_blocks(&blk);
     for v in w.iter_mut() {
@@ -1292,7 +1297,7 @@ impl Format for Q8Lanes {
             }
             // -128 · Σ x of each block: the levels are multiplied as w + 128.
             o.add(8).write(_mm512_mullo_epi32(sum, _mm512_set1_epi32(-128)));
-            let m = ((1u32 << t) - 1) as u16;
+            let m = lanes_below(t);
             o.add(9).write(_mm512_castps_si512(_mm512_maskz_loadu_ps(m, d)));
         }
     }
@@ -1309,7 +1314,8 @@ impl Format for Q8Lanes {
         q8_lanes_from_blocks(b, t)
     }
 
-    /// `dot`'s operations for each row, with the rows' eight-step `vpdpbusd` chains interleaved so
+    /// Per activation row: its lanes' sums started from `-128 · Σ x`, eight `vpdpbusd`, then one
+    /// conversion, scale product (`d_w · d_x`) and FMA. The rows' eight-step chains are interleaved so
     /// that independent ones follow each other (one row's chain after another: 1.2x slower at five
     /// rows). No closures (see `transpose_blocks`).
     #[inline(always)]
@@ -1334,13 +1340,9 @@ impl Format for Q8Lanes {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn dot(w: &StepLanes, a: &Act, st: usize, acc: __m512) -> __m512 {
-        let x = a.x.add(st * Self::LINES);
-        let mut s = x.add(8).read();
-        for (v, wv) in w.w.iter().enumerate() {
-            s = _mm512_dpbusd_epi32(s, *wv, x.add(v).read());
-        }
-        let dd = _mm512_mul_ps(w.d, _mm512_castsi512_ps(x.add(9).read()));
-        _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc)
+        let mut one = [acc];
+        Self::dots(w, &[*a], st, &mut one);
+        one[0]
     }
 }
 
