@@ -738,7 +738,9 @@ pub struct PairOptions {
     pub assistant: std::path::PathBuf,
     /// JSON list of prompts: each an object with `ids` (and optional `text`), or a plain list of ids.
     pub prompts: std::path::PathBuf,
-    pub draft: crate::decode::draft_policy::DraftLength,
+    /// Draft length; `None`: the pair's own default, as `generate` and `serve` use it (the drafter's
+    /// `num_assistant_tokens`, else `auto`).
+    pub draft: Option<crate::decode::draft_policy::DraftLength>,
     pub max_new_tokens: usize,
     /// Passes over the prompts (each prompt plain, then with drafting, in every pass); the speed-up
     /// reported is the median of the passes' own.
@@ -943,7 +945,8 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     let mut identical = true;
     // One policy for all prompts, and one scheduler for the drafting runs (its measured step costs and
     // what `auto` learned of the drafter kept from request to request), as a server keeps them.
-    let mut policy = Some(crate::decode::draft_policy::DraftPolicy::from(opts.draft));
+    let mut policy = models.draft_policy(opts.draft);
+    let draft_tokens = policy.as_ref().map(|p| p.describe()).unwrap_or_default();
     let mut drafting = bench_scheduler(&models);
     // A warm-up request: the first pass over the files' pages pays for mapping them.
     engine_run(&models, &prompts[0], 2, None)?;
@@ -997,7 +1000,7 @@ pub fn run_pair(opts: &PairOptions, log: impl Fn(&str)) -> Result<PairReport> {
     Ok(PairReport {
         prompts: prompts.len(),
         generated_tokens: tokens / repeats + prompts.len(),
-        draft_tokens: opts.draft.to_string(),
+        draft_tokens,
         plain_decode_tokens_per_s: tokens as f64 / plain_s.max(1e-9),
         speculative_decode_tokens_per_s: tokens as f64 / spec_s.max(1e-9),
         speedup: median(by_repetition.clone()),

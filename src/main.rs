@@ -220,7 +220,9 @@ struct BenchArgs {
     /// cycles through them, cut to --prefill tokens, and uses random ids without them).
     #[arg(long)]
     prompts: Option<PathBuf>,
-    /// Draft tokens per round with drafting (a number or `auto`; default 4, auto for --concurrency).
+    /// Draft tokens per round with drafting (a number or `auto`; default 4; auto for --concurrency; with
+    /// --pair, the pair's own default as `generate` uses it: the drafter's `num_assistant_tokens`, else
+    /// auto).
     #[arg(long)]
     draft_tokens: Option<String>,
     /// --pair: tokens generated per prompt.
@@ -985,7 +987,7 @@ fn run_bench(args: BenchArgs, threads: usize, quant: LoadQuant) -> Result<()> {
             target: args.model.unwrap_or_else(|| dir.join("target")),
             assistant: args.assistant.unwrap_or_else(|| dir.join("assistant")),
             prompts: args.prompts.unwrap_or_else(|| dir.join("heldout_prompts.json")),
-            draft: DraftLength::parse(args.draft_tokens.as_deref().unwrap_or("4"))?,
+            draft: args.draft_tokens.as_deref().map(DraftLength::parse).transpose()?,
             max_new_tokens: args.max_new_tokens,
             repeats: args.repeats,
             quant,

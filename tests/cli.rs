@@ -338,7 +338,36 @@ fn pair_bench_reports_acceptance_and_identical_output() {
     for key in ["round_draft_ms", "round_verify_ms", "projected_speedup"] {
         assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
     }
+    assert_eq!(v["draft_tokens"], "4");
     assert_eq!(v["acceptance_by_position"].as_array().unwrap().len(), 4);
+    // The draft length is the pair's own default as `generate` uses it (the drafter's
+    // `num_assistant_tokens`, else auto), and --draft-tokens overrides it: a copy of d1-centroid saying
+    // 3, then saying nothing.
+    let d3 = dir.join("d1-three");
+    std::fs::create_dir_all(&d3).unwrap();
+    for e in std::fs::read_dir(fixture_dir("d1-centroid")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), d3.join(e.file_name())).unwrap();
+    }
+    let gen = d3.join("generation_config.json");
+    let mut g: Value = serde_json::from_str(&std::fs::read_to_string(&gen).unwrap()).unwrap();
+    g["num_assistant_tokens"] = 3.into();
+    std::fs::write(&gen, g.to_string()).unwrap();
+    let d3s = d3.display().to_string();
+    let run = |extra: &[&str]| {
+        let mut a: Vec<&str> = args.to_vec();
+        a[5] = &d3s;
+        a.extend(["--repeats", "1"].iter().chain(extra));
+        let (code, out, err) = tandem(&a);
+        assert_eq!(code, 0, "{err}");
+        let w: Value = serde_json::from_str(out.trim()).unwrap();
+        (w["draft_tokens"].as_str().unwrap().to_string(), w["acceptance_by_position"].as_array().unwrap().len())
+    };
+    assert_eq!(run(&[]), ("3".to_string(), 3));
+    assert_eq!(run(&["--draft-tokens", "2"]), ("2".to_string(), 2));
+    g.as_object_mut().unwrap().remove("num_assistant_tokens");
+    std::fs::write(&gen, g.to_string()).unwrap();
+    assert_eq!(run(&[]).0, "auto");
     // Three passes by default: the speed-up is the median of theirs.
     let mut passes: Vec<f64> =
         v["speedup_by_repetition"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
