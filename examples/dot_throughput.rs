@@ -1,7 +1,7 @@
 //! Throughput of the dot-product instructions the matmul kernels are built on, on this core, with 12
 //! independent accumulators in registers (no memory traffic): how many nanoseconds one instruction
 //! costs, and the multiply-adds per nanosecond that gives. When a bf16 forward over a few rows turns
-//! compute-bound, this says how soon (docs/numerics.md, "Threads"; README, "The shipped pair").
+//! compute-bound, this says how soon (docs/numerics.md, "Threads"; docs/performance-history.md, "The shipped pair").
 //!
 //! cargo run --release --example dot_throughput
 
