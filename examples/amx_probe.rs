@@ -2,7 +2,7 @@
 //! docs/numerics.md ("AMX") quotes. A `tileloadd` of 1 KB (16 rows of 64 bytes, the weight tile of
 //! `kernels/amx.rs`) from buffers of growing size (L1, L2, L3, memory) with the kernels' access
 //! pattern, `tdpbf16ps` and `tdpbssd` back to back, a Q8_0 block step on int8 tiles as a kernel would
-//! run it (docs/quantization.md, "Q8_0 on AMX int8 tiles (not written)"), and `ldtilecfg`.
+//! run it (docs/quantization.md, "Q8_0 on AMX int8 tiles (not landed)"), and `ldtilecfg`.
 //!
 //! cargo run --release --example amx_probe
 //!
@@ -69,7 +69,7 @@ fn main() {
             16384.0 / ns
         );
         // A Q8_0 step on int8 tiles as a kernel without repacking would run it (docs/quantization.md,
-        // "Q8_0 on AMX int8 tiles (not written)"): per block of 16 weight rows, one product into a
+        // "Q8_0 on AMX int8 tiles (not landed)"): per block of 16 weight rows, one product into a
         // zeroed tile, the tile stored, and every weight row's int32 sums scaled and added to its
         // accumulator in f32 (lanes: activation rows).
         let mut c = vec![0i32; 2 * 16 * 16];
