@@ -1220,6 +1220,21 @@ unsafe fn transpose_blocks(blk: &[__m256i; 16]) -> [__m512i; 8] {
     ]
 }
 
+/// The first `t <= 16` of 16 blocks' 32 bytes, `stride` bytes apart from `p` (the rest zero), as
+/// `transpose_blocks` takes them.
+///
+/// # Safety
+/// AVX-512 F/BW/VL; `t` runs of 32 bytes readable from `p`, `stride` apart.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn load_blocks(p: *const u8, stride: usize, t: usize) -> [__m256i; 16] {
+    let mut blk = [_mm256_setzero_si256(); 16];
+    for (l, v) in blk.iter_mut().enumerate().take(t) {
+        *v = _mm256_loadu_si256(p.add(stride * l) as *const __m256i);
+    }
+    blk
+}
+
 /// The mask of the 32-bit lanes below `t <= 16`.
 fn lanes_below(t: usize) -> u16 {
     ((1u32 << t) - 1) as u16
@@ -1230,22 +1245,15 @@ fn lanes_below(t: usize) -> u16 {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 unsafe fn q8_lanes_from_blocks(b: *const u8, t: usize) -> StepLanes {
-    let mut blk = [_mm256_setzero_si256(); 16];
-    for (l, v) in blk.iter_mut().enumerate().take(t) {
-        *v = _mm256_loadu_si256(b.add(34 * l + 2) as *const __m256i);
-    }
     let c = _mm512_set1_epi8(0x80u8 as i8);
     let m = lanes_below(t);
     // The missing blocks' lanes stay zero (their activations are zero too).
-    let mut w = transpose_blocks(&blk);
+    let mut w = transpose_blocks(&load_blocks(b.add(2), 34, t));
     for v in w.iter_mut() {
         *v = _mm512_mask_xor_epi32(*v, m, *v, c);
     }
     // Each scale read as the low half of a 32-bit word (its block's first two levels above it).
-    let offs = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(34),
-    );
+    let offs = _mm512_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238, 272, 306, 340, 374, 408, 442, 476, 510);
     let words = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), m, offs, b as *const i32);
     StepLanes { w, d: _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)) }
 }
@@ -1284,11 +1292,7 @@ impl Format for Q8Lanes {
         for st in 0..steps {
             let t = (nb - LANE_BLOCKS * st).min(LANE_BLOCKS);
             let (q, d) = (q.add(32 * LANE_BLOCKS * st), d.add(LANE_BLOCKS * st));
-            let mut blk = [_mm256_setzero_si256(); 16];
-            for (l, v) in blk.iter_mut().enumerate().take(t) {
-                *v = _mm256_loadu_si256(q.add(32 * l) as *const __m256i);
-            }
-            let x = transpose_blocks(&blk);
+            let x = transpose_blocks(&load_blocks(q as *const u8, 32, t));
             let o = out.add(st * Self::LINES);
             let mut sum = _mm512_setzero_si512();
             for (v, xv) in x.iter().enumerate() {
