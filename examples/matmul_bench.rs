@@ -2,10 +2,11 @@
 //!
 //! cargo run --release --example matmul_bench [-- [--isa NAME] [--threads N] [--quick] [--prefill]
 //!                                              [--small] [--hot] [--span MIB] [--dtype bf16|f16|f32]
-//!                                              [--quant q8_0|q4_0|q5_0|q5_1|q4_k|q5_k|q6_k]]
+//!                                              [--quant q8_0|q8_0x16|q4_0|q5_0|q5_1|q4_k|q5_k|q6_k]]
 //!
 //! `--quant FMT` times block-quantized weights instead (random weights quantized with
-//! `quant::quantize_row`); GB/s then counts the quantized bytes.
+//! `quant::quantize_row`); GB/s then counts the quantized bytes. `q8_0x16` is Q8_0 packed in 16-row strips
+//! as loading packs it on CPUs with AVX-512 VNNI (`kernels::q8x16`).
 //!
 //! A matrix called again and again would sit in L3 (32 MiB here), which is not what decode sees:
 //! each layer's weights are evicted by the other layers' before they are used again. So every shape
@@ -78,9 +79,15 @@ fn parse_args() -> Args {
             }
             "--quant" => {
                 let name = it.next().unwrap_or_default();
-                a.quant = QType::ALL.into_iter().find(|q| q.name().eq_ignore_ascii_case(&name));
+                a.quant = match name.to_ascii_lowercase().as_str() {
+                    "q8_0x16" => Some(QType::Q8_0x16),
+                    _ => QType::ALL.into_iter().find(|q| q.name().eq_ignore_ascii_case(&name)),
+                };
                 if a.quant.is_none() {
-                    eprintln!("--quant wants one of q8_0|q4_0|q5_0|q5_1|q4_k|q5_k|q6_k; using {}", a.dtype.name());
+                    eprintln!(
+                        "--quant wants one of q8_0|q8_0x16|q4_0|q5_0|q5_1|q4_k|q5_k|q6_k; using {}",
+                        a.dtype.name()
+                    );
                 }
             }
             "--ms" => a.ms = it.next().map(|s| s.split(',').filter_map(|v| v.trim().parse().ok()).collect()),
@@ -129,6 +136,9 @@ fn random_weights(dtype: DType, len: usize, seed: u64) -> Vec<u8> {
 /// slower than a matmul, so at most 4096 rows are quantized and repeated down the matrix; the kernels'
 /// time does not depend on the values.
 fn quantized_weights(qt: QType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    if qt == QType::Q8_0x16 {
+        return tandem::kernels::q8x16::pack(&quantized_weights(QType::Q8_0, rows, cols, seed), rows, cols);
+    }
     let distinct = rows.min(4096);
     let raw = random_weights(DType::F32, distinct * cols, seed);
     let vals: Vec<f32> = raw.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();

@@ -179,6 +179,7 @@ pub fn random_assistant_quantized(
     let mut store = WeightStore::from_tensors(tensors);
     if let Some(r) = recipe {
         log(crate::model::assistant::quantize_assistant(&mut store, cfg, r)?);
+        crate::quantize::pack_for_kernels(&mut store);
     }
     Assistant::from_store(cfg.clone(), &store)
 }
@@ -270,6 +271,7 @@ pub fn random_model_quantized(
     let mut store = WeightStore::from_tensors(tensors);
     if let Some(r) = recipe {
         log(crate::model::target::quantize_target(&mut store, cfg, r)?);
+        crate::quantize::pack_for_kernels(&mut store);
     }
     TargetModel::from_store(cfg.clone(), &store)
 }

@@ -274,6 +274,34 @@ pub fn apply(store: &mut WeightStore, plan: &Plan) -> Result<Summary> {
     Ok(summary)
 }
 
+/// Repack the store's Q8_0 matrices into 16-row strips (`QType::Q8_0x16`) where this CPU's kernels read
+/// those faster (AVX-512 VNNI; docs/quantization.md, "Q8_0 in 16-row strips"): all but the per-layer
+/// embedding table, which is only read a row at a time, and matrices whose rows are not whole strips. A
+/// matrix in a file mapping (a GGUF file's) is copied and its pages released, so resident memory stays the
+/// model's size. Returns how many were packed.
+pub fn pack_for_kernels(store: &mut WeightStore) -> usize {
+    if !crate::kernels::q8x16::pays() {
+        return 0;
+    }
+    let mut names: Vec<String> = store.names().map(String::from).collect();
+    names.sort();
+    let mut packed = 0;
+    for name in names {
+        let Some(t) = store.get_full(&name).cloned() else { continue };
+        let StoredDtype::Quant { q: QType::Q8_0, from } = t.dtype else { continue };
+        let cols = *t.shape.last().unwrap_or(&0);
+        let rows = t.numel().checked_div(cols).unwrap_or(0);
+        if name.ends_with("embed_tokens_per_layer.weight") || !crate::kernels::q8x16::packable(rows, cols) {
+            continue;
+        }
+        let data = crate::kernels::q8x16::pack(t.bytes(), rows, cols);
+        store.insert(Tensor::owned_quant(&name, QType::Q8_0x16, from, t.shape.clone(), data));
+        t.release_pages();
+        packed += 1;
+    }
+    packed
+}
+
 /// One float tensor (`[.., cols]`, all leading dimensions as rows) quantized to `q`.
 pub fn quantize_tensor(src: &Tensor, q: QType, bar: &indicatif::ProgressBar) -> Result<Tensor> {
     let from = src.float_dtype()?;
@@ -320,6 +348,43 @@ mod tests {
         assert_eq!(Recipe::Q4KM.output_type(384), QType::Q8_0);
         assert_eq!(Recipe::Q8_0.output_type(1536), QType::Q8_0);
         assert_eq!(Recipe::Q4_0.output_type(1536), QType::Q6_K);
+    }
+
+    /// Packing at load: every Q8_0 matrix of whole strips but the per-layer embedding table, where the
+    /// kernels pay for it; the values read back are the plain matrix's.
+    #[test]
+    fn packs_q8_0_matrices_for_the_kernels() {
+        let bar = indicatif::ProgressBar::hidden();
+        let float = |name: &str, rows: usize| {
+            let data: Vec<u8> = (0..rows * 64).flat_map(|i| ((i % 97) as f32 / 50.0 - 1.0).to_le_bytes()).collect();
+            Tensor::owned(name, crate::kernels::DType::F32, vec![rows, 64], data)
+        };
+        let q = |t: Tensor, qt| quantize_tensor(&t, qt, &bar).unwrap();
+        let mut store = WeightStore::from_tensors(vec![
+            q(float("model.layers.0.mlp.up_proj.weight", 48), QType::Q8_0),
+            q(float("model.embed_tokens_per_layer.weight", 32), QType::Q8_0),
+            q(float("model.layers.0.self_attn.k_proj.weight", 40), QType::Q8_0),
+            q(float("model.layers.0.mlp.down_proj.weight", 32), QType::Q4_0),
+        ]);
+        let plain = store.get_full("model.layers.0.mlp.up_proj.weight").unwrap().clone();
+        let pays = crate::kernels::q8x16::pays();
+        assert_eq!(pack_for_kernels(&mut store), pays as usize);
+        let qtype = |name: &str| match store.get_full(name).unwrap().dtype {
+            StoredDtype::Quant { q, .. } => q,
+            _ => unreachable!(),
+        };
+        let up = if pays { QType::Q8_0x16 } else { QType::Q8_0 };
+        assert_eq!(qtype("model.layers.0.mlp.up_proj.weight"), up);
+        assert_eq!(qtype("model.embed_tokens_per_layer.weight"), QType::Q8_0);
+        assert_eq!(qtype("model.layers.0.self_attn.k_proj.weight"), QType::Q8_0, "40 rows: not whole strips");
+        assert_eq!(qtype("model.layers.0.mlp.down_proj.weight"), QType::Q4_0);
+        let packed = store.get_full("model.layers.0.mlp.up_proj.weight").unwrap();
+        let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
+        for r in 0..48 {
+            packed.mat().row_f32(r, &mut a);
+            plain.mat().row_f32(r, &mut b);
+            assert_eq!(a, b, "row {r}");
+        }
     }
 
     #[test]

@@ -30,6 +30,7 @@ mod avx512_quant;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
 mod pool;
+pub mod q8x16;
 #[cfg(test)]
 mod quant_tests;
 #[cfg(test)]
@@ -466,11 +467,27 @@ pub(crate) fn matmul_quant(isa: Isa, x: &[f32], m: usize, w: QMatRef, out: &mut 
     }
     let mut acts = ACTS.take();
     quant::quantize_acts_into(w.qtype, x, m, k, &mut acts);
+    // Packed strips are sliced in whole strips (the automatic split's chunks already are).
+    let split = match split {
+        Split::Rows(r) if w.qtype == QType::Q8_0x16 => Split::Rows(r.next_multiple_of(q8x16::STRIP)),
+        s => s,
+    };
     let mut chunks = |f: &(dyn Fn(QMatRef, &mut [&mut [f32]]) + Sync)| {
         tiling::for_row_ranges(n, w.row_bytes(), k, m, out, split, |rows, outs| {
             f(w.slice_rows(rows.start, rows.len()), outs)
         })
     };
+    if w.qtype == QType::Q8_0x16 {
+        thread_local! {
+            static OFFS: std::cell::Cell<Vec<i32>> = const { std::cell::Cell::new(Vec::new()) };
+        }
+        let mut offs = OFFS.take();
+        q8x16::offsets(&acts, &mut offs);
+        chunks(&|wc, outs| q8x16::matmul(isa, &acts, &offs, wc, outs));
+        OFFS.set(offs);
+        ACTS.set(acts);
+        return;
+    }
     match runnable(isa) {
         // The activations laid out for the kernels once, for every chunk.
         #[cfg(target_arch = "x86_64")]
@@ -749,6 +766,18 @@ pub fn matmul_gather<'a>(x: &[f32], w: impl Into<Weight<'a>>, ids: &[u32], out: 
             _ => {}
         }
     }
+    // Packed strips: the candidates' rows as plain Q8_0 (the bits of a plain Q8_0 matrix's gather).
+    let w = match w {
+        Weight::Quant(q) if q.qtype == QType::Q8_0x16 => {
+            let mut plain = vec![0u8; ids.len() * q.row_bytes()];
+            for (&id, dst) in ids.iter().zip(plain.chunks_exact_mut(q.row_bytes())) {
+                q8x16::unpack_row(&q, id as usize, dst);
+            }
+            let ids: Vec<u32> = (0..ids.len() as u32).collect();
+            return matmul_gather(x, QMatRef::new(QType::Q8_0, ids.len(), q.cols, &plain), &ids, out);
+        }
+        w => w,
+    };
     let row = w.row_bytes();
     thread_local! {
         /// The gathered rows, kept from call to call instead of allocated for each: every draft step

@@ -40,6 +40,8 @@ pub enum QType {
     IQ4_NL,
     /// 256 4-bit indices into the same table in 8 sub-blocks of 32 with 6-bit signed scales: 4.25 bits.
     IQ4_XS,
+    /// Q8_0 repacked at load in strips of 16 rows for the SIMD kernels (`q8x16`): not a file format.
+    Q8_0x16,
 }
 
 /// The levels of IQ4_NL / IQ4_XS (ggml's `kvalues_iq4nl`), indexed by the stored nibble.
@@ -82,6 +84,7 @@ impl QType {
             QType::Q6_K => "Q6_K",
             QType::IQ4_NL => "IQ4_NL",
             QType::IQ4_XS => "IQ4_XS",
+            QType::Q8_0x16 => "Q8_0 (16-row strips)",
         }
     }
 
@@ -97,6 +100,8 @@ impl QType {
             QType::Q6_K => 14,
             QType::IQ4_NL => 20,
             QType::IQ4_XS => 23,
+            // Not a GGUF type: a packed matrix is never written (export refuses it) nor read.
+            QType::Q8_0x16 => u32::MAX,
         }
     }
 
@@ -107,7 +112,7 @@ impl QType {
     /// Weights per block.
     pub fn block_elems(self) -> usize {
         match self {
-            QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => 32,
+            QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => 32,
             QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::IQ4_XS => QK_K,
         }
     }
@@ -115,7 +120,8 @@ impl QType {
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
         match self {
-            QType::Q8_0 => 34,
+            // Q8_0x16: a strip's block is 16 rows' blocks.
+            QType::Q8_0 | QType::Q8_0x16 => 34,
             QType::Q4_0 => 18,
             QType::Q5_0 => 22,
             QType::Q5_1 => 24,
@@ -134,7 +140,7 @@ impl QType {
 
     pub fn act(self) -> ActKind {
         match self {
-            QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => ActKind::Q8_0,
+            QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => ActKind::Q8_0,
             QType::Q5_1 => ActKind::Q8_1,
             QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::IQ4_XS => ActKind::Q8_K,
         }
@@ -160,6 +166,7 @@ impl<'a> QMatRef<'a> {
     pub fn new(qtype: QType, rows: usize, cols: usize, data: &'a [u8]) -> Self {
         let row = qtype.row_bytes(cols).expect("quantized matrix width is a whole number of blocks");
         assert_eq!(data.len(), rows * row, "quantized matrix buffer size");
+        assert!(qtype != QType::Q8_0x16 || rows.is_multiple_of(super::q8x16::STRIP), "Q8_0x16 rows in whole strips");
         QMatRef { qtype, rows, cols, data }
     }
 
@@ -167,13 +174,20 @@ impl<'a> QMatRef<'a> {
         self.qtype.row_bytes(self.cols).expect("validated at construction")
     }
 
+    /// Row `r`'s bytes (not for `Q8_0x16`, whose rows are interleaved: `q8x16::unpack_row`).
     pub fn row(&self, r: usize) -> &'a [u8] {
+        assert!(self.qtype != QType::Q8_0x16, "a Q8_0x16 row is not contiguous");
         let b = self.row_bytes();
         &self.data[r * b..(r + 1) * b]
     }
 
     pub fn slice_rows(&self, start: usize, n: usize) -> QMatRef<'a> {
         assert!(start + n <= self.rows);
+        let strip = super::q8x16::STRIP;
+        assert!(
+            self.qtype != QType::Q8_0x16 || (start.is_multiple_of(strip) && n.is_multiple_of(strip)),
+            "Q8_0x16 sliced in whole strips"
+        );
         let b = self.row_bytes();
         QMatRef { qtype: self.qtype, rows: n, cols: self.cols, data: &self.data[start * b..(start + n) * b] }
     }
@@ -181,6 +195,9 @@ impl<'a> QMatRef<'a> {
     /// Row `r` dequantized.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols);
+        if self.qtype == QType::Q8_0x16 {
+            return super::q8x16::dequantize_row(self, r, out);
+        }
         dequantize_row(self.qtype, self.row(r), out);
     }
 }
@@ -224,6 +241,7 @@ pub fn quantize_row(q: QType, x: &[f32], out: &mut [u8]) {
             QType::Q5_K => quantize_qk_min(xb, ob, 31),
             QType::Q6_K => quantize_q6_k(xb, ob),
             QType::IQ4_NL | QType::IQ4_XS => quantize_iq4(xb, ob),
+            QType::Q8_0x16 => panic!("Q8_0x16 is packed from Q8_0 rows (q8x16::pack), not quantized by row"),
         }
     }
 }
@@ -690,6 +708,7 @@ impl Unpacked {
 /// Unpack one block of format `qt` (`b` is its bytes).
 pub(crate) fn unpack(qt: QType, b: &[u8], u: &mut Unpacked) {
     match qt {
+        QType::Q8_0x16 => panic!("Q8_0x16 blocks interleave 16 rows (q8x16)"),
         QType::Q8_0 => {
             u.d = f16_at(b, 0);
             for (d, &s) in u.q[..32].iter_mut().zip(&b[2..34]) {
@@ -784,7 +803,7 @@ pub fn dequantize_row(qt: QType, data: &[u8], out: &mut [f32]) {
         for (i, v) in o.iter_mut().enumerate() {
             let q = u.q[i] as f32;
             *v = match qt {
-                QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => u.d * q,
+                QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => u.d * q,
                 QType::Q5_1 => u.d * q + u.m,
                 QType::Q4_K | QType::Q5_K => (u.d * u.sc[i / 32] as f32) * q - u.m * u.mn[i / 32] as f32,
                 QType::Q6_K => (u.d * u.sc[i / 16] as f32) * q,
@@ -913,7 +932,7 @@ fn block_term(qt: QType, u: &Unpacked, a: &QActs, r: usize, bi: usize) -> f32 {
         u.q[lo..lo + n].iter().zip(&x[lo..lo + n]).map(|(&q, &v)| q as i32 * v as i32).sum()
     };
     match qt {
-        QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => (u.d * xd) * isum(0, 32) as f32,
+        QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => (u.d * xd) * isum(0, 32) as f32,
         QType::Q5_1 => (u.d * xd) * isum(0, 32) as f32 + u.m * a.s[r * a.blocks() + bi],
         QType::Q4_K | QType::Q5_K => {
             let bs = &a.bsums[(r * a.blocks() + bi) * 16..][..16];

@@ -184,6 +184,7 @@ impl Assistant {
                 say(quantize_assistant(&mut store, &cfg, r)?);
                 store.move_floats_to_huge_pages()?;
             }
+            crate::quantize::pack_for_kernels(&mut store);
             return Assistant::from_store(cfg, &store).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()));
         }
         crate::files::require_dir(dir, "assistant directory")?;
@@ -193,6 +194,7 @@ impl Assistant {
             say(quantize_assistant(&mut store, &cfg, r)?);
             store.move_floats_to_huge_pages()?;
         }
+        crate::quantize::pack_for_kernels(&mut store);
         Assistant::from_store(cfg, &store)
     }
 

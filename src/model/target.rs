@@ -191,6 +191,7 @@ impl TargetModel {
             say(quantize_target(&mut store, &cfg, r)?);
             store.move_floats_to_huge_pages()?;
         }
+        crate::quantize::pack_for_kernels(&mut store);
         TargetModel::from_store(cfg, &store)
     }
 
@@ -203,6 +204,7 @@ impl TargetModel {
             say(quantize_target(&mut store, &cfg, r)?);
             store.move_floats_to_huge_pages()?;
         }
+        crate::quantize::pack_for_kernels(&mut store);
         TargetModel::from_store(cfg, &store).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
     }
 
