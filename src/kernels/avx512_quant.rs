@@ -53,6 +53,67 @@ pub fn supported() -> bool {
     *S.get_or_init(|| super::avx512::supported() && is_x86_feature_detected!("avx512vnni"))
 }
 
+/// The activation rows `x` quantized into `a` (kind, shape and buffers already set by
+/// `quant::quantize_acts_with`), block by block, with exactly the portable quantizer's results for
+/// finite activations: the same maxima, the same products rounded half to even (`vcvtps2dq` under the
+/// default rounding mode, as `nearest_int` rounds), the same clamps, scales and sums. (A block with a
+/// NaN or an infinity gets levels of its own, as meaningless as the portable ones.)
+///
+/// # Safety
+/// AVX-512 F/BW/VL and F16C; `a`'s buffers sized for `x`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn quantize_blocks(x: &[f32], a: &mut QActs) {
+    use super::quant::ActKind;
+    if a.kind == ActKind::Q8_K {
+        for (bi, (xb, qb)) in x.chunks_exact(256).zip(a.qs.chunks_exact_mut(256)).enumerate() {
+            let v: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(xb.as_ptr().add(16 * i)));
+            let mut am = _mm512_abs_ps(v[0]);
+            for vi in &v[1..] {
+                am = _mm512_max_ps(am, _mm512_abs_ps(*vi));
+            }
+            let amax = _mm512_reduce_max_ps(am);
+            if amax == 0.0 {
+                continue; // levels, scale and sums stay 0
+            }
+            // The first element of the largest magnitude, with its sign (`signed_max`).
+            let mut max = 0.0;
+            for (i, vi) in v.iter().enumerate() {
+                let hit = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(*vi), _mm512_set1_ps(amax));
+                if hit != 0 {
+                    max = xb[16 * i + hit.trailing_zeros() as usize];
+                    break;
+                }
+            }
+            let iscale = -127.0 / max;
+            let s = _mm512_set1_ps(iscale);
+            for (i, vi) in v.iter().enumerate() {
+                let q = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(s, *vi)), _mm512_set1_epi32(127));
+                _mm_storeu_si128(qb.as_mut_ptr().add(16 * i).cast(), _mm512_cvtsepi32_epi8(q));
+                a.bsums[bi * 16 + i] = _mm512_reduce_add_epi32(q) as i16;
+            }
+            a.d[bi] = 1.0 / iscale;
+        }
+        return;
+    }
+    let q8_1 = a.kind == ActKind::Q8_1;
+    for (bi, (xb, qb)) in x.chunks_exact(32).zip(a.qs.chunks_exact_mut(32)).enumerate() {
+        let (v0, v1) = (_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16)));
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        let d = amax / 127.0;
+        let id = _mm512_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+        let (lo, hi) = (_mm512_set1_epi32(-127), _mm512_set1_epi32(127));
+        let q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), hi), lo);
+        let q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, id)), hi), lo);
+        _mm_storeu_si128(qb.as_mut_ptr().cast(), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128(qb.as_mut_ptr().add(16).cast(), _mm512_cvtsepi32_epi8(q1));
+        a.d[bi] = half::f16::from_f32(d).to_f32();
+        if q8_1 {
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            a.s[bi] = half::f16::from_f32(d * sum as f32).to_f32();
+        }
+    }
+}
+
 /// Whether the CPU also has AVX-512 VBMI (byte permutes), for `decode_vbmi`. Detected once.
 fn vbmi() -> bool {
     static S: OnceLock<bool> = OnceLock::new();

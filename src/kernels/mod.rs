@@ -466,7 +466,11 @@ pub(crate) fn matmul_quant(isa: Isa, x: &[f32], m: usize, w: QMatRef, out: &mut 
         static ACTS: std::cell::Cell<quant::QActs> = std::cell::Cell::new(quant::QActs::default());
     }
     let mut acts = ACTS.take();
-    quant::quantize_acts_into(w.qtype, x, m, k, &mut acts);
+    #[cfg(target_arch = "x86_64")]
+    let simd = runnable(isa) >= Isa::Avx512 && avx512_quant::supported();
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
+    quant::quantize_acts_with(w.qtype, x, m, k, &mut acts, simd);
     // Packed strips are sliced in whole strips (the automatic split's chunks already are).
     let split = match split {
         Split::Rows(r) if w.qtype == QType::Q8_0x16 => Split::Rows(r.next_multiple_of(q8x16::STRIP)),

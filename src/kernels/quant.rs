@@ -871,6 +871,12 @@ pub fn quantize_acts(qt: QType, x: &[f32], m: usize, k: usize) -> QActs {
 
 /// [`quantize_acts`] into `a`, reusing its buffers.
 pub fn quantize_acts_into(qt: QType, x: &[f32], m: usize, k: usize, a: &mut QActs) {
+    quantize_acts_with(qt, x, m, k, a, false)
+}
+
+/// [`quantize_acts_into`], on AVX-512 when `simd` (the caller checked the CPU has it): the same levels,
+/// scales and sums (`avx512_quant::quantize_blocks`).
+pub(crate) fn quantize_acts_with(qt: QType, x: &[f32], m: usize, k: usize, a: &mut QActs, simd: bool) {
     assert_eq!(x.len(), m * k, "activation shape");
     let kind = qt.act();
     let block = if kind == ActKind::Q8_K { QK_K } else { 32 };
@@ -885,6 +891,12 @@ pub fn quantize_acts_into(qt: QType, x: &[f32], m: usize, k: usize, a: &mut QAct
     refill(&mut a.d, m * nb);
     refill(&mut a.s, if kind == ActKind::Q8_1 { m * nb } else { 0 });
     refill(&mut a.bsums, if kind == ActKind::Q8_K { m * k / 16 } else { 0 });
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: the caller checked the CPU (AVX-512 F/BW/VL, F16C); the buffers are sized above.
+        return unsafe { super::avx512_quant::quantize_blocks(x, a) };
+    }
+    let _ = simd;
     for (bi, (xb, qb)) in x.chunks_exact(block).zip(a.qs.chunks_exact_mut(block)).enumerate() {
         if kind == ActKind::Q8_K {
             let max = signed_max(xb);

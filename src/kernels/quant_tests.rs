@@ -326,6 +326,40 @@ fn activation_quantization_bounds() {
     }
 }
 
+/// The AVX-512 activation quantizer gives the portable one's levels, scales and sums exactly, for every
+/// kind: zero blocks, ties at half a step, a block whose largest magnitude repeats with both signs.
+/// Skipped without AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn simd_activation_quantization_is_the_portable_one() {
+    if !super::avx512_quant::supported() {
+        return;
+    }
+    let mut rng = Rng(23);
+    let (m, k) = (5, 1024);
+    let mut x = rng.vec(m * k, 3.0);
+    x[k..k + 256].fill(0.0);
+    // Levels that land on .5 steps: 127 · v / amax with v = j / 2 and amax = 127 / 2.
+    for (j, v) in x[2 * k..2 * k + 256].iter_mut().enumerate() {
+        *v = (j % 128) as f32 / 2.0 - 32.0;
+    }
+    x[2 * k + 3] = 63.5;
+    x[3 * k + 7] = -9.0;
+    x[3 * k + 200] = 9.0;
+    for v in &mut x[4 * k..5 * k] {
+        *v *= 1e-30;
+    }
+    for qt in [QType::Q8_0, QType::Q5_1, QType::Q4_K] {
+        let want = quantize_acts(qt, &x, m, k);
+        let mut got = QActs::default();
+        quant::quantize_acts_with(qt, &x, m, k, &mut got, true);
+        assert_eq!(got.qs, want.qs, "{qt} levels");
+        assert!(got.d.iter().zip(&want.d).all(|(a, b)| a.to_bits() == b.to_bits()), "{qt} scales");
+        assert!(got.s.iter().zip(&want.s).all(|(a, b)| a.to_bits() == b.to_bits()), "{qt} sums");
+        assert_eq!(got.bsums, want.bsums, "{qt} group sums");
+    }
+}
+
 /// The AVX-512 VNNI kernels called directly (not through the dispatch), when the CPU has them: every
 /// tile shape (m = 1..=16 against 4-row tiles and 1-row leftovers), against the reference within
 /// float reordering, on quantized and on raw random blocks, with partial 4-block steps; both walks
