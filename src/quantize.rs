@@ -276,7 +276,8 @@ pub fn apply(store: &mut WeightStore, plan: &Plan) -> Result<Summary> {
 
 /// Repack the store's Q8_0 matrices into 16-row strips (`QType::Q8_0x16`) where this CPU's kernels read
 /// those faster (AVX-512 VNNI; docs/quantization.md, "Q8_0 in 16-row strips"): all but the per-layer
-/// embedding table, which is only read a row at a time, and matrices whose rows are not whole strips. A
+/// embedding table, which is only read a row at a time, a centroid drafter's embedding (only gathered),
+/// and matrices whose rows are not whole strips. A
 /// matrix in a file mapping (a GGUF file's) is copied and its pages released, so resident memory stays the
 /// model's size. Returns how many were packed.
 pub fn pack_for_kernels(store: &mut WeightStore) -> usize {
@@ -285,13 +286,17 @@ pub fn pack_for_kernels(store: &mut WeightStore) -> usize {
     }
     let mut names: Vec<String> = store.names().map(String::from).collect();
     names.sort();
+    let centroids = store.get_full("masked_embedding.centroids.weight").is_some();
     let mut packed = 0;
     for name in names {
         let Some(t) = store.get_full(&name).cloned() else { continue };
         let StoredDtype::Quant { q: QType::Q8_0, from } = t.dtype else { continue };
         let cols = *t.shape.last().unwrap_or(&0);
         let rows = t.numel().checked_div(cols).unwrap_or(0);
-        if name.ends_with("embed_tokens_per_layer.weight") || !crate::kernels::q8x16::packable(rows, cols) {
+        // A drafter's centroid head reads its embedding only as gathered candidate rows, which a packed
+        // table would have to unpack at every draft step.
+        let gathered = name == "model.embed_tokens.weight" && centroids;
+        if gathered || name.ends_with("embed_tokens_per_layer.weight") || !crate::kernels::q8x16::packable(rows, cols) {
             continue;
         }
         let data = crate::kernels::q8x16::pack(t.bytes(), rows, cols);
@@ -378,6 +383,18 @@ mod tests {
         assert_eq!(qtype("model.embed_tokens_per_layer.weight"), QType::Q8_0);
         assert_eq!(qtype("model.layers.0.self_attn.k_proj.weight"), QType::Q8_0, "40 rows: not whole strips");
         assert_eq!(qtype("model.layers.0.mlp.down_proj.weight"), QType::Q4_0);
+        // A centroid drafter's embedding stays plain; a tied drafter's is packed.
+        for centroids in [true, false] {
+            let mut tensors = vec![q(float("model.embed_tokens.weight", 32), QType::Q8_0)];
+            if centroids {
+                tensors.push(float("masked_embedding.centroids.weight", 16));
+            }
+            let mut drafter = WeightStore::from_tensors(tensors);
+            pack_for_kernels(&mut drafter);
+            let want = if pays && !centroids { QType::Q8_0x16 } else { QType::Q8_0 };
+            let got = drafter.get_full("model.embed_tokens.weight").unwrap().dtype;
+            assert!(matches!(got, StoredDtype::Quant { q, .. } if q == want), "centroids {centroids}");
+        }
         let packed = store.get_full("model.layers.0.mlp.up_proj.weight").unwrap();
         let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
         for r in 0..48 {
