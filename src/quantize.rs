@@ -277,9 +277,8 @@ pub fn apply(store: &mut WeightStore, plan: &Plan) -> Result<Summary> {
 /// Repack the store's Q8_0 matrices into 16-row strips (`QType::Q8_0x16`) where this CPU's kernels read
 /// those faster (AVX-512 VNNI; docs/quantization.md, "Q8_0 in 16-row strips"): all but the per-layer
 /// embedding table, which is only read a row at a time, a centroid drafter's embedding (only gathered),
-/// and matrices whose rows are not whole strips. A
-/// matrix in a file mapping (a GGUF file's) is copied and its pages released, so resident memory stays the
-/// model's size. Returns how many were packed.
+/// and matrices whose rows are not whole strips. A matrix in a file mapping (a GGUF file's) is copied and
+/// its pages released, so resident memory stays the model's size. Returns how many were packed.
 pub fn pack_for_kernels(store: &mut WeightStore) -> usize {
     if !crate::kernels::q8x16::pays() {
         return 0;
