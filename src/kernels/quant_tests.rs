@@ -339,11 +339,11 @@ fn simd_activation_quantization_is_the_portable_one() {
     let (m, k) = (5, 1024);
     let mut x = rng.vec(m * k, 3.0);
     x[k..k + 256].fill(0.0);
-    // Levels that land on .5 steps: 127 · v / amax with v = j / 2 and amax = 127 / 2.
+    // Products exactly halfway between two levels: each block led by 63.5 (a scale of exactly 2, or
+    // -2 for Q8_K), the rest quarters.
     for (j, v) in x[2 * k..2 * k + 256].iter_mut().enumerate() {
-        *v = (j % 128) as f32 / 2.0 - 32.0;
+        *v = if j % 32 == 0 { 63.5 } else { (j % 32) as f32 / 4.0 - 4.0 };
     }
-    x[2 * k + 3] = 63.5;
     x[3 * k + 7] = -9.0;
     x[3 * k + 200] = 9.0;
     for v in &mut x[4 * k..5 * k] {
