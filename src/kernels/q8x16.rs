@@ -69,26 +69,37 @@ pub fn pays() -> bool {
     false
 }
 
+/// Row `r`'s blocks in a packed matrix, in column order: each as its f16 scale's bytes and its 32
+/// levels as stored (plus 128).
+fn row_blocks<'a>(w: &QMatRef<'a>, r: usize) -> impl Iterator<Item = ([u8; 2], [u8; 32])> + 'a {
+    debug_assert_eq!(w.qtype, QType::Q8_0x16);
+    let sb = STRIP * (w.cols / 32) * 34;
+    let i = r % STRIP;
+    w.data[(r / STRIP) * sb..][..sb]
+        .chunks_exact(BLOCK_BYTES)
+        .map(move |src| ([src[2 * i], src[2 * i + 1]], std::array::from_fn(|k| src[level_at(i, k)])))
+}
+
 /// Row `r` of a packed matrix as plain Q8_0 bytes (`out`: one row's).
 pub fn unpack_row(w: &QMatRef, r: usize, out: &mut [u8]) {
-    debug_assert_eq!(w.qtype, QType::Q8_0x16);
-    let nb = w.cols / 32;
-    assert_eq!(out.len(), nb * 34, "Q8_0 row size");
-    let strip = &w.data[(r / STRIP) * STRIP * nb * 34..][..STRIP * nb * 34];
-    let i = r % STRIP;
-    for (src, dst) in strip.chunks_exact(BLOCK_BYTES).zip(out.chunks_exact_mut(34)) {
-        dst[..2].copy_from_slice(&src[2 * i..2 * i + 2]);
-        for (k, q) in dst[2..].iter_mut().enumerate() {
-            *q = src[level_at(i, k)] ^ 0x80;
+    assert_eq!(out.len(), w.cols / 32 * 34, "Q8_0 row size");
+    for ((d, q), dst) in row_blocks(w, r).zip(out.chunks_exact_mut(34)) {
+        dst[..2].copy_from_slice(&d);
+        for (o, v) in dst[2..].iter_mut().zip(q) {
+            *o = v ^ 0x80;
         }
     }
 }
 
 /// Row `r` of a packed matrix dequantized (what plain Q8_0 dequantizes to).
 pub fn dequantize_row(w: &QMatRef, r: usize, out: &mut [f32]) {
-    let mut row = vec![0u8; w.cols / 32 * 34];
-    unpack_row(w, r, &mut row);
-    super::quant::dequantize_row(QType::Q8_0, &row, out);
+    assert_eq!(out.len(), w.cols, "dequantize_row shapes");
+    for ((d, q), o) in row_blocks(w, r).zip(out.chunks_exact_mut(32)) {
+        let d = f16::from_le_bytes(d).to_f32();
+        for (o, v) in o.iter_mut().zip(q) {
+            *o = d * ((v ^ 0x80) as i8) as f32;
+        }
+    }
 }
 
 /// Per activation row and block, `-128 ·` the sum of the block's levels: what a block's product with
