@@ -274,13 +274,16 @@ pub fn apply(store: &mut WeightStore, plan: &Plan) -> Result<Summary> {
     Ok(summary)
 }
 
-/// Repack the store's Q8_0 matrices into 16-row strips (`QType::Q8_0x16`) where this CPU's kernels read
-/// those faster (AVX-512 VNNI; docs/quantization.md, "Q8_0 in 16-row strips"): all but the per-layer
-/// embedding table, which is only read a row at a time, a centroid drafter's embedding (only gathered),
-/// and matrices whose rows are not whole strips. A matrix in a file mapping (a GGUF file's) is copied and
-/// its pages released, so resident memory stays the model's size. Returns how many were packed.
+/// Repack the store's Q8_0 and Q4_K matrices into 16-row strips (`QType::Q8_0x16`, `QType::Q4_Kx16`)
+/// where this CPU's kernels read those faster (AVX-512 VNNI; docs/quantization.md, "Q8_0 in 16-row
+/// strips", "Q4_K in 16-row strips"): all but the per-layer embedding table, which is only read a row at
+/// a time, a centroid drafter's embedding (only gathered), and matrices whose rows are not whole strips.
+/// A matrix in a file mapping (a GGUF file's) is copied and its pages released, so resident memory stays
+/// the model's size (Q4_K strips are 148 bytes per 144: the sub-block scales unpacked). Returns how many
+/// were packed.
 pub fn pack_for_kernels(store: &mut WeightStore) -> usize {
-    if !crate::kernels::q8x16::pays() {
+    use crate::kernels::{q4kx16, q8x16};
+    if !q8x16::pays() {
         return 0;
     }
     let mut names: Vec<String> = store.names().map(String::from).collect();
@@ -289,17 +292,21 @@ pub fn pack_for_kernels(store: &mut WeightStore) -> usize {
     let mut packed = 0;
     for name in names {
         let Some(t) = store.get_full(&name).cloned() else { continue };
-        let StoredDtype::Quant { q: QType::Q8_0, from } = t.dtype else { continue };
+        let StoredDtype::Quant { q, from } = t.dtype else { continue };
         let cols = *t.shape.last().unwrap_or(&0);
         let rows = t.numel().checked_div(cols).unwrap_or(0);
         // A drafter's centroid head reads its embedding only as gathered candidate rows, which a packed
         // table would have to unpack at every draft step.
         let gathered = name == "model.embed_tokens.weight" && centroids;
-        if gathered || name.ends_with("embed_tokens_per_layer.weight") || !crate::kernels::q8x16::packable(rows, cols) {
+        if gathered || name.ends_with("embed_tokens_per_layer.weight") {
             continue;
         }
-        let data = crate::kernels::q8x16::pack(t.bytes(), rows, cols);
-        store.insert(Tensor::owned_quant(&name, QType::Q8_0x16, from, t.shape.clone(), data));
+        let (to, data) = match q {
+            QType::Q8_0 if q8x16::packable(rows, cols) => (QType::Q8_0x16, q8x16::pack(t.bytes(), rows, cols)),
+            QType::Q4_K if q4kx16::packable(rows, cols) => (QType::Q4_Kx16, q4kx16::pack(t.bytes(), rows, cols)),
+            _ => continue,
+        };
+        store.insert(Tensor::owned_quant(&name, to, from, t.shape.clone(), data));
         t.release_pages();
         packed += 1;
     }
@@ -357,11 +364,15 @@ mod tests {
     /// Packing at load: every Q8_0 matrix of whole strips but the per-layer embedding table, where the
     /// kernels pay for it; the values read back are the plain matrix's.
     #[test]
-    fn packs_q8_0_matrices_for_the_kernels() {
+    fn packs_q8_0_and_q4_k_matrices_for_the_kernels() {
         let bar = indicatif::ProgressBar::hidden();
         let float = |name: &str, rows: usize| {
             let data: Vec<u8> = (0..rows * 64).flat_map(|i| ((i % 97) as f32 / 50.0 - 1.0).to_le_bytes()).collect();
             Tensor::owned(name, crate::kernels::DType::F32, vec![rows, 64], data)
+        };
+        let float4 = |name: &str, rows: usize| {
+            let data: Vec<u8> = (0..rows * 256).flat_map(|i| ((i % 89) as f32 / 40.0 - 1.0).to_le_bytes()).collect();
+            Tensor::owned(name, crate::kernels::DType::F32, vec![rows, 256], data)
         };
         let q = |t: Tensor, qt| quantize_tensor(&t, qt, &bar).unwrap();
         let mut store = WeightStore::from_tensors(vec![
@@ -369,10 +380,13 @@ mod tests {
             q(float("model.embed_tokens_per_layer.weight", 32), QType::Q8_0),
             q(float("model.layers.0.self_attn.k_proj.weight", 40), QType::Q8_0),
             q(float("model.layers.0.mlp.down_proj.weight", 32), QType::Q4_0),
+            q(float4("model.layers.0.mlp.gate_proj.weight", 32), QType::Q4_K),
+            q(float4("model.layers.0.self_attn.v_proj.weight", 24), QType::Q4_K),
         ]);
         let plain = store.get_full("model.layers.0.mlp.up_proj.weight").unwrap().clone();
         let pays = crate::kernels::q8x16::pays();
-        assert_eq!(pack_for_kernels(&mut store), pays as usize);
+        let plain4 = store.get_full("model.layers.0.mlp.gate_proj.weight").unwrap().clone();
+        assert_eq!(pack_for_kernels(&mut store), 2 * pays as usize);
         let qtype = |name: &str| match store.get_full(name).unwrap().dtype {
             StoredDtype::Quant { q, .. } => q,
             _ => unreachable!(),
@@ -382,6 +396,9 @@ mod tests {
         assert_eq!(qtype("model.embed_tokens_per_layer.weight"), QType::Q8_0);
         assert_eq!(qtype("model.layers.0.self_attn.k_proj.weight"), QType::Q8_0, "40 rows: not whole strips");
         assert_eq!(qtype("model.layers.0.mlp.down_proj.weight"), QType::Q4_0);
+        let gate = if pays { QType::Q4_Kx16 } else { QType::Q4_K };
+        assert_eq!(qtype("model.layers.0.mlp.gate_proj.weight"), gate);
+        assert_eq!(qtype("model.layers.0.self_attn.v_proj.weight"), QType::Q4_K, "24 rows: not whole strips");
         // A centroid drafter's embedding stays plain; a tied drafter's is packed.
         for centroids in [true, false] {
             let mut tensors = vec![q(float("model.embed_tokens.weight", 32), QType::Q8_0)];
@@ -400,6 +417,13 @@ mod tests {
             packed.mat().row_f32(r, &mut a);
             plain.mat().row_f32(r, &mut b);
             assert_eq!(a, b, "row {r}");
+        }
+        let packed4 = store.get_full("model.layers.0.mlp.gate_proj.weight").unwrap();
+        let (mut a, mut b) = (vec![0f32; 256], vec![0f32; 256]);
+        for r in 0..32 {
+            packed4.mat().row_f32(r, &mut a);
+            plain4.mat().row_f32(r, &mut b);
+            assert_eq!(a, b, "Q4_K row {r}");
         }
     }
 

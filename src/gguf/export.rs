@@ -10,7 +10,7 @@ use super::gemma4::{
 };
 use super::write::OutTensor;
 use crate::config::{AssistantConfig, DraftHead, KvMode, LayerType, RopeKind, TextConfig};
-use crate::kernels::{DType, QType};
+use crate::kernels::DType;
 use crate::weights::{StoredDtype, Tensor, WeightStore};
 
 /// Metadata and owned extra tensors (the RoPE factors) of an export.
@@ -46,7 +46,7 @@ fn ggml_type(t: &Tensor) -> Result<GgmlType> {
         StoredDtype::Float(DType::F32) => GgmlType::F32,
         StoredDtype::Float(DType::F16) => GgmlType::F16,
         StoredDtype::Float(DType::BF16) => GgmlType::BF16,
-        StoredDtype::Quant { q: QType::Q8_0x16, .. } => {
+        StoredDtype::Quant { q, .. } if q.unpacked().is_some() => {
             bail!("tensor `{}` is packed for this CPU's kernels; export writes a store as loaded from its file", t.name)
         }
         StoredDtype::Quant { q, .. } => GgmlType(q.ggml_id()),

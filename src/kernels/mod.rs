@@ -30,6 +30,7 @@ mod avx512_quant;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
 mod pool;
+pub mod q4kx16;
 pub mod q8x16;
 #[cfg(test)]
 mod quant_tests;
@@ -473,7 +474,7 @@ pub(crate) fn matmul_quant(isa: Isa, x: &[f32], m: usize, w: QMatRef, out: &mut 
     quant::quantize_acts_with(w.qtype, x, m, k, &mut acts, simd);
     // Packed strips are sliced in whole strips (the automatic split's chunks already are).
     let split = match split {
-        Split::Rows(r) if w.qtype == QType::Q8_0x16 => Split::Rows(r.next_multiple_of(q8x16::STRIP)),
+        Split::Rows(r) if w.qtype.unpacked().is_some() => Split::Rows(r.next_multiple_of(quant::STRIP)),
         s => s,
     };
     let mut chunks = |f: &(dyn Fn(QMatRef, &mut [&mut [f32]]) + Sync)| {
@@ -489,6 +490,17 @@ pub(crate) fn matmul_quant(isa: Isa, x: &[f32], m: usize, w: QMatRef, out: &mut 
         q8x16::offsets(&acts, &mut offs);
         chunks(&|wc, outs| q8x16::matmul(isa, &acts, &offs, wc, outs));
         OFFS.set(offs);
+        ACTS.set(acts);
+        return;
+    }
+    if w.qtype == QType::Q4_Kx16 {
+        thread_local! {
+            static SUMS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+        }
+        let mut sums = SUMS.take();
+        q4kx16::sub_sums(&acts, &mut sums);
+        chunks(&|wc, outs| q4kx16::matmul(isa, &acts, &sums, wc, outs));
+        SUMS.set(sums);
         ACTS.set(acts);
         return;
     }
@@ -770,15 +782,17 @@ pub fn matmul_gather<'a>(x: &[f32], w: impl Into<Weight<'a>>, ids: &[u32], out: 
             _ => {}
         }
     }
-    // Packed strips: the candidates' rows as plain Q8_0 (the bits of a plain Q8_0 matrix's gather).
+    // Packed strips: the candidates' rows in their file format (the bits of a plain matrix's gather).
     let w = match w {
-        Weight::Quant(q) if q.qtype == QType::Q8_0x16 => {
-            let mut plain = vec![0u8; ids.len() * q.row_bytes()];
-            for (&id, dst) in ids.iter().zip(plain.chunks_exact_mut(q.row_bytes())) {
-                q8x16::unpack_row(&q, id as usize, dst);
+        Weight::Quant(q) if q.qtype.unpacked().is_some() => {
+            let file = q.qtype.unpacked().expect("checked by the guard");
+            let rb = file.row_bytes(q.cols).expect("a packed matrix has whole blocks");
+            let mut plain = vec![0u8; ids.len() * rb];
+            for (&id, dst) in ids.iter().zip(plain.chunks_exact_mut(rb)) {
+                q.unpack_row(id as usize, dst);
             }
             let ids: Vec<u32> = (0..ids.len() as u32).collect();
-            return matmul_gather(x, QMatRef::new(QType::Q8_0, ids.len(), q.cols, &plain), &ids, out);
+            return matmul_gather(x, QMatRef::new(file, ids.len(), q.cols, &plain), &ids, out);
         }
         w => w,
     };

@@ -17,8 +17,7 @@
 use super::quant::{QActs, QMatRef, QType};
 use half::f16;
 
-/// Weight rows per strip.
-pub const STRIP: usize = 16;
+pub use super::quant::STRIP;
 /// Bytes of one block of a strip: 16 f16 scales and 16 × 32 levels.
 pub const BLOCK_BYTES: usize = 2 * STRIP + 32 * STRIP;
 /// Bytes of a strip block's scales (the levels follow).
@@ -141,9 +140,7 @@ pub fn matmul(isa: super::Isa, acts: &QActs, offs: &[i32], w: QMatRef, out: &mut
     assert_eq!(offs.len(), acts.rows * (w.cols / 32), "one offset per activation block");
     #[cfg(target_arch = "x86_64")]
     {
-        use super::Isa;
-        if matches!(super::runnable(isa), Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx) && super::avx512_quant::supported()
-        {
+        if vnni(isa) {
             return simd::matmul_vnni(acts, offs, w, out);
         }
     }
@@ -151,15 +148,34 @@ pub fn matmul(isa: super::Isa, acts: &QActs, offs: &[i32], w: QMatRef, out: &mut
     matmul_scalar(acts, offs, w, out)
 }
 
+/// Whether `isa` (as this CPU can run it) takes the strips' AVX-512 VNNI kernels.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn vnni(isa: super::Isa) -> bool {
+    use super::Isa;
+    matches!(super::runnable(isa), Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx) && super::avx512_quant::supported()
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(super) mod simd {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// Blocks ahead of the one in hand that a tile prefetches (2 KB per strip). Measured with
-    /// `matmul_bench --quant q8_0x16` from memory: five rows over [6144, 1536] 437 µs without, 377 at
-    /// 4 blocks, 388 at 6; one row unchanged.
+    /// Blocks ahead of the one in hand that a tile prefetches (2 KB per strip), but on Zen 4. Measured
+    /// with `matmul_bench --quant q8_0x16` from memory on the Xeon: five rows over [6144, 1536] 437 µs
+    /// without, 377 at 4 blocks, 388 at 6; one row unchanged. On Zen 4 the hardware prefetcher keeps
+    /// a strip's single stream fed and the software prefetch only costs: one row 298-310 µs without
+    /// against 329-347 with, five rows 313-343 against 387-440 (docs/quantization.md, "Q8_0 in 16-row
+    /// strips").
     const PREFETCH: usize = 4;
+
+    /// The prefetch distance on this CPU, in blocks (0: none).
+    pub(in super::super) fn prefetch_blocks(blocks: usize) -> usize {
+        if super::super::x86::zen4() {
+            0
+        } else {
+            blocks
+        }
+    }
 
     /// The most activation rows a tile takes (accumulators: `2 · C` i32 and `C` f32 per strip).
     const GROUP_MAX: usize = 7;
@@ -173,6 +189,7 @@ pub(super) mod simd {
         let strips = w.rows / STRIP;
         let groups = m.div_ceil(GROUP_MAX);
         let sb = STRIP * nb * 34;
+        let pf = prefetch_blocks(PREFETCH);
         let mut s = 0;
         while s < strips {
             // Strips per tile: four for one row (eight i32 chains hide vpdpbusd's latency), two for
@@ -189,25 +206,25 @@ pub(super) mod simd {
                 // SAFETY: VNNI checked above; `r` strips from `s` and rows `i0..i0 + c` exist.
                 unsafe {
                     match (r, c) {
-                        (4, 1) => tile::<4, 1, true>(acts, offs, ws, sb, nb, i0, s, out),
-                        (2, 2) => tile::<2, 2, true>(acts, offs, ws, sb, nb, i0, s, out),
-                        (2, 3) => tile::<2, 3, true>(acts, offs, ws, sb, nb, i0, s, out),
-                        (2, 4) => tile::<2, 4, true>(acts, offs, ws, sb, nb, i0, s, out),
-                        (2, 5) => tile::<2, 5, false>(acts, offs, ws, sb, nb, i0, s, out),
-                        (2, 6) => tile::<2, 6, false>(acts, offs, ws, sb, nb, i0, s, out),
-                        (2, 7) => tile::<2, 7, false>(acts, offs, ws, sb, nb, i0, s, out),
+                        (4, 1) => tile::<4, 1, true>(acts, offs, ws, sb, nb, pf, i0, s, out),
+                        (2, 2) => tile::<2, 2, true>(acts, offs, ws, sb, nb, pf, i0, s, out),
+                        (2, 3) => tile::<2, 3, true>(acts, offs, ws, sb, nb, pf, i0, s, out),
+                        (2, 4) => tile::<2, 4, true>(acts, offs, ws, sb, nb, pf, i0, s, out),
+                        (2, 5) => tile::<2, 5, false>(acts, offs, ws, sb, nb, pf, i0, s, out),
+                        (2, 6) => tile::<2, 6, false>(acts, offs, ws, sb, nb, pf, i0, s, out),
+                        (2, 7) => tile::<2, 7, false>(acts, offs, ws, sb, nb, pf, i0, s, out),
                         (_, c) => {
                             for t in 0..r {
                                 let (p, st) = (ws.add(t * sb), s + t);
                                 match c {
-                                    1 => tile::<1, 1, true>(acts, offs, p, sb, nb, i0, st, out),
-                                    2 => tile::<1, 2, true>(acts, offs, p, sb, nb, i0, st, out),
-                                    3 => tile::<1, 3, true>(acts, offs, p, sb, nb, i0, st, out),
-                                    4 => tile::<1, 4, true>(acts, offs, p, sb, nb, i0, st, out),
-                                    5 => tile::<1, 5, false>(acts, offs, p, sb, nb, i0, st, out),
-                                    6 => tile::<1, 6, false>(acts, offs, p, sb, nb, i0, st, out),
-                                    7 => tile::<1, 7, false>(acts, offs, p, sb, nb, i0, st, out),
-                                    _ => tile::<1, 8, false>(acts, offs, p, sb, nb, i0, st, out),
+                                    1 => tile::<1, 1, true>(acts, offs, p, sb, nb, pf, i0, st, out),
+                                    2 => tile::<1, 2, true>(acts, offs, p, sb, nb, pf, i0, st, out),
+                                    3 => tile::<1, 3, true>(acts, offs, p, sb, nb, pf, i0, st, out),
+                                    4 => tile::<1, 4, true>(acts, offs, p, sb, nb, pf, i0, st, out),
+                                    5 => tile::<1, 5, false>(acts, offs, p, sb, nb, pf, i0, st, out),
+                                    6 => tile::<1, 6, false>(acts, offs, p, sb, nb, pf, i0, st, out),
+                                    7 => tile::<1, 7, false>(acts, offs, p, sb, nb, pf, i0, st, out),
+                                    _ => tile::<1, 8, false>(acts, offs, p, sb, nb, pf, i0, st, out),
                                 }
                             }
                         }
@@ -219,7 +236,7 @@ pub(super) mod simd {
     }
 
     /// `R` strips (the first at `ws`, `sb` bytes apart; strip index `s0` in the chunk) times activation
-    /// rows `i0..i0 + C`.
+    /// rows `i0..i0 + C`, prefetching `pf` blocks ahead (0: not at all).
     ///
     /// # Safety
     /// AVX-512 VNNI CPU; the strips and rows exist.
@@ -231,6 +248,7 @@ pub(super) mod simd {
         ws: *const u8,
         sb: usize,
         nb: usize,
+        pf: usize,
         i0: usize,
         s0: usize,
         out: &mut [&mut [f32]],
@@ -249,11 +267,11 @@ pub(super) mod simd {
                     lr[c] = o;
                 }
             }
-            // The block PREFETCH ahead of each strip into L1: a strip is one stream, which the hardware
-            // prefetchers alone kept too few lines ahead of a multi-row tile.
-            if b + PREFETCH < nb {
+            // The block `pf` ahead of each strip into L1: a strip is one stream, which the Xeon's
+            // hardware prefetchers alone kept too few lines ahead of a multi-row tile.
+            if pf > 0 && b + pf < nb {
                 for r in 0..R {
-                    let p = ws.add(r * sb + (b + PREFETCH) * BLOCK_BYTES);
+                    let p = ws.add(r * sb + (b + pf) * BLOCK_BYTES);
                     for j in 0..9 {
                         _mm_prefetch::<_MM_HINT_T0>(p.add(j * 64).cast());
                     }

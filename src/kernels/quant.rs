@@ -16,6 +16,8 @@ use half::f16;
 
 /// Elements in a k-quant super-block.
 pub const QK_K: usize = 256;
+/// Weight rows per strip of the layouts packed at load (`QType::unpacked`).
+pub const STRIP: usize = 16;
 
 /// A block-quantized weight format (named as GGUF names them).
 #[allow(non_camel_case_types)]
@@ -42,6 +44,8 @@ pub enum QType {
     IQ4_XS,
     /// Q8_0 repacked at load in strips of 16 rows for the SIMD kernels (`q8x16`): not a file format.
     Q8_0x16,
+    /// Q4_K repacked at load in strips of 16 rows for the SIMD kernels (`q4kx16`): not a file format.
+    Q4_Kx16,
 }
 
 /// The levels of IQ4_NL / IQ4_XS (ggml's `kvalues_iq4nl`), indexed by the stored nibble.
@@ -85,6 +89,7 @@ impl QType {
             QType::IQ4_NL => "IQ4_NL",
             QType::IQ4_XS => "IQ4_XS",
             QType::Q8_0x16 => "Q8_0 (16-row strips)",
+            QType::Q4_Kx16 => "Q4_K (16-row strips)",
         }
     }
 
@@ -101,7 +106,7 @@ impl QType {
             QType::IQ4_NL => 20,
             QType::IQ4_XS => 23,
             // Not a GGUF type: a packed matrix is never written (export refuses it) nor read.
-            QType::Q8_0x16 => u32::MAX,
+            QType::Q8_0x16 | QType::Q4_Kx16 => u32::MAX,
         }
     }
 
@@ -113,7 +118,7 @@ impl QType {
     pub fn block_elems(self) -> usize {
         match self {
             QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => 32,
-            QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::IQ4_XS => QK_K,
+            QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K | QType::Q6_K | QType::IQ4_XS => QK_K,
         }
     }
 
@@ -126,6 +131,8 @@ impl QType {
             QType::Q5_0 => 22,
             QType::Q5_1 => 24,
             QType::Q4_K => 144,
+            // Q4_Kx16: the scales unpacked to bytes (`q4kx16`).
+            QType::Q4_Kx16 => super::q4kx16::ROW_BYTES,
             QType::Q5_K => 176,
             QType::Q6_K => 210,
             QType::IQ4_NL => 18,
@@ -142,7 +149,17 @@ impl QType {
         match self {
             QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => ActKind::Q8_0,
             QType::Q5_1 => ActKind::Q8_1,
-            QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::IQ4_XS => ActKind::Q8_K,
+            QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K | QType::Q6_K | QType::IQ4_XS => ActKind::Q8_K,
+        }
+    }
+
+    /// For a layout packed in strips of 16 rows at load (`q8x16`, `q4kx16`), the file format it was
+    /// packed from; `None` for the file formats themselves.
+    pub fn unpacked(self) -> Option<QType> {
+        match self {
+            QType::Q8_0x16 => Some(QType::Q8_0),
+            QType::Q4_Kx16 => Some(QType::Q4_K),
+            _ => None,
         }
     }
 }
@@ -166,7 +183,7 @@ impl<'a> QMatRef<'a> {
     pub fn new(qtype: QType, rows: usize, cols: usize, data: &'a [u8]) -> Self {
         let row = qtype.row_bytes(cols).expect("quantized matrix width is a whole number of blocks");
         assert_eq!(data.len(), rows * row, "quantized matrix buffer size");
-        assert!(qtype != QType::Q8_0x16 || rows.is_multiple_of(super::q8x16::STRIP), "Q8_0x16 rows in whole strips");
+        assert!(qtype.unpacked().is_none() || rows.is_multiple_of(STRIP), "packed rows in whole strips");
         QMatRef { qtype, rows, cols, data }
     }
 
@@ -174,19 +191,18 @@ impl<'a> QMatRef<'a> {
         self.qtype.row_bytes(self.cols).expect("validated at construction")
     }
 
-    /// Row `r`'s bytes (not for `Q8_0x16`, whose rows are interleaved: `q8x16::unpack_row`).
+    /// Row `r`'s bytes (not for a packed layout, whose rows are interleaved: `unpack_row`).
     pub fn row(&self, r: usize) -> &'a [u8] {
-        assert!(self.qtype != QType::Q8_0x16, "a Q8_0x16 row is not contiguous");
+        assert!(self.qtype.unpacked().is_none(), "a packed row is not contiguous");
         let b = self.row_bytes();
         &self.data[r * b..(r + 1) * b]
     }
 
     pub fn slice_rows(&self, start: usize, n: usize) -> QMatRef<'a> {
         assert!(start + n <= self.rows);
-        let strip = super::q8x16::STRIP;
         assert!(
-            self.qtype != QType::Q8_0x16 || (start.is_multiple_of(strip) && n.is_multiple_of(strip)),
-            "Q8_0x16 sliced in whole strips"
+            self.qtype.unpacked().is_none() || (start.is_multiple_of(STRIP) && n.is_multiple_of(STRIP)),
+            "packed rows sliced in whole strips"
         );
         let b = self.row_bytes();
         QMatRef { qtype: self.qtype, rows: n, cols: self.cols, data: &self.data[start * b..(start + n) * b] }
@@ -195,10 +211,21 @@ impl<'a> QMatRef<'a> {
     /// Row `r` dequantized.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols);
-        if self.qtype == QType::Q8_0x16 {
-            return super::q8x16::dequantize_row(self, r, out);
+        match self.qtype {
+            QType::Q8_0x16 => super::q8x16::dequantize_row(self, r, out),
+            QType::Q4_Kx16 => super::q4kx16::dequantize_row(self, r, out),
+            _ => dequantize_row(self.qtype, self.row(r), out),
         }
-        dequantize_row(self.qtype, self.row(r), out);
+    }
+
+    /// Row `r` as its file format's bytes (`out`: a row of `qtype.unpacked()`, or of `qtype` when it
+    /// is a file format).
+    pub fn unpack_row(&self, r: usize, out: &mut [u8]) {
+        match self.qtype {
+            QType::Q8_0x16 => super::q8x16::unpack_row(self, r, out),
+            QType::Q4_Kx16 => super::q4kx16::unpack_row(self, r, out),
+            _ => out.copy_from_slice(self.row(r)),
+        }
     }
 }
 
@@ -241,7 +268,9 @@ pub fn quantize_row(q: QType, x: &[f32], out: &mut [u8]) {
             QType::Q5_K => quantize_qk_min(xb, ob, 31),
             QType::Q6_K => quantize_q6_k(xb, ob),
             QType::IQ4_NL | QType::IQ4_XS => quantize_iq4(xb, ob),
-            QType::Q8_0x16 => panic!("Q8_0x16 is packed from Q8_0 rows (q8x16::pack), not quantized by row"),
+            QType::Q8_0x16 | QType::Q4_Kx16 => {
+                panic!("a packed layout is packed from its file format's rows (q8x16, q4kx16), not quantized by row")
+            }
         }
     }
 }
@@ -708,7 +737,7 @@ impl Unpacked {
 /// Unpack one block of format `qt` (`b` is its bytes).
 pub(crate) fn unpack(qt: QType, b: &[u8], u: &mut Unpacked) {
     match qt {
-        QType::Q8_0x16 => panic!("Q8_0x16 blocks interleave 16 rows (q8x16)"),
+        QType::Q8_0x16 | QType::Q4_Kx16 => panic!("packed blocks interleave 16 rows (q8x16, q4kx16)"),
         QType::Q8_0 => {
             u.d = f16_at(b, 0);
             for (d, &s) in u.q[..32].iter_mut().zip(&b[2..34]) {
@@ -805,7 +834,9 @@ pub fn dequantize_row(qt: QType, data: &[u8], out: &mut [f32]) {
             *v = match qt {
                 QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => u.d * q,
                 QType::Q5_1 => u.d * q + u.m,
-                QType::Q4_K | QType::Q5_K => (u.d * u.sc[i / 32] as f32) * q - u.m * u.mn[i / 32] as f32,
+                QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K => {
+                    (u.d * u.sc[i / 32] as f32) * q - u.m * u.mn[i / 32] as f32
+                }
                 QType::Q6_K => (u.d * u.sc[i / 16] as f32) * q,
                 QType::IQ4_XS => (u.d * u.sc[i / 32] as f32) * q,
             };
@@ -946,7 +977,7 @@ fn block_term(qt: QType, u: &Unpacked, a: &QActs, r: usize, bi: usize) -> f32 {
     match qt {
         QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => (u.d * xd) * isum(0, 32) as f32,
         QType::Q5_1 => (u.d * xd) * isum(0, 32) as f32 + u.m * a.s[r * a.blocks() + bi],
-        QType::Q4_K | QType::Q5_K => {
+        QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K => {
             let bs = &a.bsums[(r * a.blocks() + bi) * 16..][..16];
             let (mut qsum, mut msum) = (0i32, 0i32);
             for j in 0..8 {

@@ -24,7 +24,7 @@ fn random_blocks(rng: &mut Rng, qt: QType, rows: usize, cols: usize) -> Vec<u8> 
     let mut data: Vec<u8> = (0..rows * rb).map(|_| rng.next() as u8).collect();
     let f16_at: &[usize] = match qt {
         QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL | QType::IQ4_XS => &[0],
-        QType::Q5_1 | QType::Q4_K | QType::Q5_K => &[0, 2],
+        QType::Q5_1 | QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K => &[0, 2],
         QType::Q6_K => &[208],
     };
     for b in data.chunks_exact_mut(qt.block_bytes()) {
@@ -58,7 +58,7 @@ fn abs_bound(qt: QType, w: &[u8], a: &QActs, r: usize) -> f64 {
             let (s, mn) = match qt {
                 QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => (d * q, 0.0),
                 QType::Q5_1 => (d * q, m),
-                QType::Q4_K | QType::Q5_K => (d * u.sc[i / 32] as f64 * q, m * u.mn[i / 32] as f64),
+                QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K => (d * u.sc[i / 32] as f64 * q, m * u.mn[i / 32] as f64),
                 QType::Q6_K => (d * u.sc[i / 16] as f64 * q, 0.0),
                 QType::IQ4_XS => (d * u.sc[i / 32] as f64 * q, 0.0),
             };
@@ -273,7 +273,7 @@ fn dequantized_error_bounds() {
                 QType::Q4_0 | QType::Q5_0 => u.d.abs() + amax * 2e-3,
                 QType::Q5_1 => u.d.abs() / 2.0 + amax * 2e-3,
                 // Sub-block scales on 6 bits: loose, but catches layout errors.
-                QType::Q4_K => 2.5 * amax / 15.0,
+                QType::Q4_K | QType::Q4_Kx16 => 2.5 * amax / 15.0,
                 QType::Q5_K => 2.5 * amax / 31.0,
                 QType::Q6_K => 2.5 * amax / 31.0,
                 // Non-uniform levels (steps up to 24 of 240 around the largest); IQ4_XS's scales on 6 bits.
@@ -533,78 +533,91 @@ fn matmul_each_gives_every_product_the_bits_of_matmul() {
     }
 }
 
-/// Q8_0x16 packing: every row comes back as its plain Q8_0 bytes and dequantizes to the same values.
-#[test]
-fn q8x16_pack_round_trips() {
-    use super::q8x16;
-    let mut rng = Rng(21);
-    let (rows, cols) = (48, 96);
-    let plain = random_blocks(&mut rng, QType::Q8_0, rows, cols);
-    let packed = q8x16::pack(&plain, rows, cols);
-    assert_eq!(packed.len(), plain.len());
-    let w = QMatRef::new(QType::Q8_0x16, rows, cols, &packed);
-    let p = QMatRef::new(QType::Q8_0, rows, cols, &plain);
-    let (mut row, mut a, mut b) = (vec![0u8; p.row_bytes()], vec![0f32; cols], vec![0f32; cols]);
-    for r in 0..rows {
-        q8x16::unpack_row(&w, r, &mut row);
-        assert_eq!(row, p.row(r), "row {r}");
-        w.row_f32(r, &mut a);
-        p.row_f32(r, &mut b);
-        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "row {r} dequantized");
-    }
-    assert!(!q8x16::packable(40, 96) && !q8x16::packable(48, 100) && q8x16::packable(16, 32));
+/// Packs a `[rows, cols]` matrix of its file format's rows into strips.
+type Packer = fn(&[u8], usize, usize) -> Vec<u8>;
+
+/// The layouts packed at load, each with its file format and packer.
+fn packed_layouts() -> [(QType, QType, Packer); 2] {
+    [(QType::Q8_0x16, QType::Q8_0, super::q8x16::pack), (QType::Q4_Kx16, QType::Q4_K, super::q4kx16::pack)]
 }
 
-/// The Q8_0x16 kernels (portable, VNNI) give every output the same bits,
-/// whatever the number of rows, the group it falls in, or the thread split; and those bits are the
-/// plain Q8_0 product up to float summation order.
+/// Packing in strips: every row comes back as its file format's bytes and dequantizes to the same
+/// values.
 #[test]
-fn q8x16_kernels_agree_bit_for_bit() {
-    use super::q8x16;
+fn strips_pack_round_trip() {
+    let mut rng = Rng(21);
+    for (packed_t, file, pack) in packed_layouts() {
+        let (rows, cols) = (48, 512);
+        let plain = random_blocks(&mut rng, file, rows, cols);
+        let packed = pack(&plain, rows, cols);
+        assert_eq!(packed.len(), rows * packed_t.row_bytes(cols).unwrap());
+        let w = QMatRef::new(packed_t, rows, cols, &packed);
+        let p = QMatRef::new(file, rows, cols, &plain);
+        let (mut row, mut a, mut b) = (vec![0u8; p.row_bytes()], vec![0f32; cols], vec![0f32; cols]);
+        for r in 0..rows {
+            w.unpack_row(r, &mut row);
+            assert_eq!(row, p.row(r), "{packed_t} row {r}");
+            w.row_f32(r, &mut a);
+            p.row_f32(r, &mut b);
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{packed_t} row {r} dequantized");
+        }
+    }
+    assert!(!super::q8x16::packable(40, 96) && !super::q8x16::packable(48, 100) && super::q8x16::packable(16, 32));
+    assert!(!super::q4kx16::packable(40, 256) && !super::q4kx16::packable(48, 384) && super::q4kx16::packable(16, 256));
+}
+
+/// The kernels of each packed layout (portable, VNNI) give every output the same bits, whatever the
+/// number of rows, the group it falls in, or the thread split; and those bits are the plain format's
+/// product up to float summation order.
+#[test]
+fn strips_kernels_agree_bit_for_bit() {
     let mut rng = Rng(22);
     let pool3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-    for (rows, cols, random) in [(80, 96, false), (48, 1024, false), (112, 64, true)] {
-        let plain = if random {
-            random_blocks(&mut rng, QType::Q8_0, rows, cols)
-        } else {
-            quantize(QType::Q8_0, rows, cols, &rng.vec(rows * cols, 1.0))
-        };
-        let packed = q8x16::pack(&plain, rows, cols);
-        let w = QMatRef::new(QType::Q8_0x16, rows, cols, &packed);
-        let p = QMatRef::new(QType::Q8_0, rows, cols, &plain);
-        let mut x = rng.vec(20 * cols, 1.0);
-        x[3 * cols..4 * cols].fill(0.0);
-        for v in &mut x[9 * cols..10 * cols] {
-            *v *= 1e5;
-        }
-        let want = run(Isa::Scalar, &x, 20, w, Split::Auto);
-        let acts = quantize_acts(QType::Q8_0, &x, 20, cols);
-        let reference = run(Isa::Scalar, &x, 20, p, Split::Auto);
-        for i in 0..20 {
-            for j in 0..rows {
-                let (g, r) = (want[i * rows + j], reference[i * rows + j]);
-                let tol = (cols / 32 + 16) as f64 * 2.4e-7 * abs_bound(QType::Q8_0, p.row(j), &acts, i);
-                assert!(g.is_finite() && ((g - r) as f64).abs() <= tol, "({i}, {j}): {g} vs plain {r}");
+    for (packed_t, file, pack) in packed_layouts() {
+        for (rows, cols, random) in [(80, 256, false), (48, 1024, false), (112, 512, true)] {
+            let plain = if random {
+                random_blocks(&mut rng, file, rows, cols)
+            } else {
+                quantize(file, rows, cols, &rng.vec(rows * cols, 1.0))
+            };
+            let packed = pack(&plain, rows, cols);
+            let w = QMatRef::new(packed_t, rows, cols, &packed);
+            let p = QMatRef::new(file, rows, cols, &plain);
+            let mut x = rng.vec(20 * cols, 1.0);
+            x[3 * cols..4 * cols].fill(0.0);
+            for v in &mut x[9 * cols..10 * cols] {
+                *v *= 1e5;
             }
-        }
-        for isa in Isa::available() {
-            for m in 1..=20 {
-                let xs = &x[..m * cols];
-                let auto = run(isa, xs, m, w, Split::Auto);
-                let split = pool3.install(|| run(isa, xs, m, w, Split::Rows(12)));
-                for (name, got) in [("auto", &auto), ("chunks of 16", &split)] {
-                    assert!(
-                        got.iter().zip(&want[..m * rows]).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{isa} [{rows}x{cols}] m={m} {name}: not the portable kernel's bits"
-                    );
+            let want = run(Isa::Scalar, &x, 20, w, Split::Auto);
+            let acts = quantize_acts(file, &x, 20, cols);
+            let reference = run(Isa::Scalar, &x, 20, p, Split::Auto);
+            let blocks = (cols / file.block_elems()) as f64;
+            for i in 0..20 {
+                for j in 0..rows {
+                    let (g, r) = (want[i * rows + j], reference[i * rows + j]);
+                    let tol = (blocks + 16.0) * 2.4e-7 * abs_bound(file, p.row(j), &acts, i);
+                    assert!(g.is_finite() && ((g - r) as f64).abs() <= tol, "{packed_t} ({i}, {j}): {g} vs plain {r}");
                 }
             }
+            for isa in Isa::available() {
+                for m in 1..=20 {
+                    let xs = &x[..m * cols];
+                    let auto = run(isa, xs, m, w, Split::Auto);
+                    let split = pool3.install(|| run(isa, xs, m, w, Split::Rows(12)));
+                    for (name, got) in [("auto", &auto), ("chunks of 16", &split)] {
+                        assert!(
+                            got.iter().zip(&want[..m * rows]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{isa} {packed_t} [{rows}x{cols}] m={m} {name}: not the portable kernel's bits"
+                        );
+                    }
+                }
+            }
+            // A gather reads the rows in their file format: the plain matrix's bits.
+            let ids: Vec<u32> = (0..rows as u32).rev().step_by(3).collect();
+            let (mut a, mut b) = (vec![0f32; ids.len()], vec![0f32; ids.len()]);
+            super::matmul_gather(&x[..cols], w, &ids, &mut a);
+            super::matmul_gather(&x[..cols], p, &ids, &mut b);
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{packed_t} gather");
         }
-        // A gather reads the rows as plain Q8_0: the plain matrix's bits.
-        let ids: Vec<u32> = (0..rows as u32).rev().step_by(3).collect();
-        let (mut a, mut b) = (vec![0f32; ids.len()], vec![0f32; ids.len()]);
-        super::matmul_gather(&x[..cols], w, &ids, &mut a);
-        super::matmul_gather(&x[..cols], p, &ids, &mut b);
-        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "gather");
     }
 }
