@@ -2,7 +2,7 @@
 //!
 //! cargo run --release --example matmul_bench [-- [--isa NAME] [--threads N] [--quick] [--prefill]
 //!                                              [--small] [--hot] [--span MIB] [--dtype bf16|f16|f32]
-//!                                              [--quant q8_0|q8_0x16|q4_0|q5_0|q5_1|q4_k|q4_kx16|q5_k|q6_k]]
+//!                                              [--quant q8_0|q8_0x16|q4_0|q5_0|q5_1|q4_k|q4_kx16|q5_k|q6_k|q6_kx16]]
 //!
 //! `--quant FMT` times block-quantized weights instead (random weights quantized with
 //! `quant::quantize_row`); GB/s then counts the quantized bytes. `q8_0x16` is Q8_0 packed in 16-row strips
@@ -82,11 +82,12 @@ fn parse_args() -> Args {
                 a.quant = match name.to_ascii_lowercase().as_str() {
                     "q8_0x16" => Some(QType::Q8_0x16),
                     "q4_kx16" => Some(QType::Q4_Kx16),
+                    "q6_kx16" => Some(QType::Q6_Kx16),
                     _ => QType::ALL.into_iter().find(|q| q.name().eq_ignore_ascii_case(&name)),
                 };
                 if a.quant.is_none() {
                     eprintln!(
-                        "--quant wants one of q8_0|q8_0x16|q4_0|q5_0|q5_1|q4_k|q4_kx16|q5_k|q6_k; using {}",
+                        "--quant wants one of q8_0|q8_0x16|q4_0|q5_0|q5_1|q4_k|q4_kx16|q5_k|q6_k|q6_kx16; using {}",
                         a.dtype.name()
                     );
                 }
@@ -142,6 +143,9 @@ fn quantized_weights(qt: QType, rows: usize, cols: usize, seed: u64) -> Vec<u8> 
     }
     if qt == QType::Q4_Kx16 {
         return tandem::kernels::q4kx16::pack(&quantized_weights(QType::Q4_K, rows, cols, seed), rows, cols);
+    }
+    if qt == QType::Q6_Kx16 {
+        return tandem::kernels::q6kx16::pack(&quantized_weights(QType::Q6_K, rows, cols, seed), rows, cols);
     }
     let distinct = rows.min(4096);
     let raw = random_weights(DType::F32, distinct * cols, seed);

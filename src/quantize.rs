@@ -274,15 +274,15 @@ pub fn apply(store: &mut WeightStore, plan: &Plan) -> Result<Summary> {
     Ok(summary)
 }
 
-/// Repack the store's Q8_0 and Q4_K matrices into 16-row strips (`QType::Q8_0x16`, `QType::Q4_Kx16`)
-/// where this CPU's kernels read those faster (AVX-512 VNNI; docs/quantization.md, "Q8_0 in 16-row
-/// strips", "Q4_K in 16-row strips"): all but the per-layer embedding table, which is only read a row at
-/// a time, a centroid drafter's embedding (only gathered), and matrices whose rows are not whole strips.
-/// A matrix in a file mapping (a GGUF file's) is copied and its pages released, so resident memory stays
-/// the model's size (Q4_K strips are 148 bytes per 144: the sub-block scales unpacked). Returns how many
-/// were packed.
+/// Repack the store's Q8_0, Q4_K and Q6_K matrices into 16-row strips (`QType::Q8_0x16`, `Q4_Kx16`,
+/// `Q6_Kx16`) where this CPU's kernels read those faster (AVX-512 VNNI; docs/quantization.md, "Q8_0 in
+/// 16-row strips", "Q4_K and Q6_K in 16-row strips"): all but the per-layer embedding table, which is
+/// only read a row at a time, a centroid drafter's embedding (only gathered), and matrices whose rows
+/// are not whole strips. A matrix in a file mapping (a GGUF file's) is copied and its pages released, so
+/// resident memory stays the model's size (Q4_K strips are 148 bytes per 144: the sub-block scales
+/// unpacked). Returns how many were packed.
 pub fn pack_for_kernels(store: &mut WeightStore) -> usize {
-    use crate::kernels::{q4kx16, q8x16};
+    use crate::kernels::{q4kx16, q6kx16, q8x16};
     if !q8x16::pays() {
         return 0;
     }
@@ -304,6 +304,7 @@ pub fn pack_for_kernels(store: &mut WeightStore) -> usize {
         let (to, data) = match q {
             QType::Q8_0 if q8x16::packable(rows, cols) => (QType::Q8_0x16, q8x16::pack(t.bytes(), rows, cols)),
             QType::Q4_K if q4kx16::packable(rows, cols) => (QType::Q4_Kx16, q4kx16::pack(t.bytes(), rows, cols)),
+            QType::Q6_K if q6kx16::packable(rows, cols) => (QType::Q6_Kx16, q6kx16::pack(t.bytes(), rows, cols)),
             _ => continue,
         };
         store.insert(Tensor::owned_quant(&name, to, from, t.shape.clone(), data));
@@ -364,7 +365,7 @@ mod tests {
     /// Packing at load: every Q8_0 matrix of whole strips but the per-layer embedding table, where the
     /// kernels pay for it; the values read back are the plain matrix's.
     #[test]
-    fn packs_q8_0_and_q4_k_matrices_for_the_kernels() {
+    fn packs_q8_0_and_k_quant_matrices_for_the_kernels() {
         let bar = indicatif::ProgressBar::hidden();
         let float = |name: &str, rows: usize| {
             let data: Vec<u8> = (0..rows * 64).flat_map(|i| ((i % 97) as f32 / 50.0 - 1.0).to_le_bytes()).collect();
@@ -382,11 +383,12 @@ mod tests {
             q(float("model.layers.0.mlp.down_proj.weight", 32), QType::Q4_0),
             q(float4("model.layers.0.mlp.gate_proj.weight", 32), QType::Q4_K),
             q(float4("model.layers.0.self_attn.v_proj.weight", 24), QType::Q4_K),
+            q(float4("model.layers.1.mlp.down_proj.weight", 48), QType::Q6_K),
         ]);
         let plain = store.get_full("model.layers.0.mlp.up_proj.weight").unwrap().clone();
         let pays = crate::kernels::q8x16::pays();
         let plain4 = store.get_full("model.layers.0.mlp.gate_proj.weight").unwrap().clone();
-        assert_eq!(pack_for_kernels(&mut store), 2 * pays as usize);
+        assert_eq!(pack_for_kernels(&mut store), 3 * pays as usize);
         let qtype = |name: &str| match store.get_full(name).unwrap().dtype {
             StoredDtype::Quant { q, .. } => q,
             _ => unreachable!(),
@@ -399,6 +401,8 @@ mod tests {
         let gate = if pays { QType::Q4_Kx16 } else { QType::Q4_K };
         assert_eq!(qtype("model.layers.0.mlp.gate_proj.weight"), gate);
         assert_eq!(qtype("model.layers.0.self_attn.v_proj.weight"), QType::Q4_K, "24 rows: not whole strips");
+        let down = if pays { QType::Q6_Kx16 } else { QType::Q6_K };
+        assert_eq!(qtype("model.layers.1.mlp.down_proj.weight"), down);
         // A centroid drafter's embedding stays plain; a tied drafter's is packed.
         for centroids in [true, false] {
             let mut tensors = vec![q(float("model.embed_tokens.weight", 32), QType::Q8_0)];

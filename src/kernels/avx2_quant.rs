@@ -40,7 +40,9 @@ pub fn matmul(acts: &QActs, w: QMatRef, out: &mut [&mut [f32]]) {
             QType::Q6_K => run::<Q6K>(acts, w, out),
             QType::IQ4_NL => run::<IQ4NL>(acts, w, out),
             QType::IQ4_XS => run::<IQ4XS>(acts, w, out),
-            QType::Q8_0x16 | QType::Q4_Kx16 => panic!("packed strips go through `q8x16` / `q4kx16` (matmul_quant)"),
+            QType::Q8_0x16 | QType::Q4_Kx16 | QType::Q6_Kx16 => {
+                panic!("packed strips go through `q8x16` / `q4kx16` / `q6kx16` (matmul_quant)")
+            }
         }
     }
 }

@@ -159,7 +159,9 @@ pub fn with_prepared<T>(acts: &QActs, qtype: QType, f: impl FnOnce(&Prepared) ->
             QType::Q6_K => prep_rows::<Q6K>(acts, &mut buf),
             QType::IQ4_NL => prep_rows::<IQ4NL>(acts, &mut buf),
             QType::IQ4_XS => prep_rows::<IQ4XS>(acts, &mut buf),
-            QType::Q8_0x16 | QType::Q4_Kx16 => panic!("packed strips go through `q8x16` / `q4kx16` (matmul_quant)"),
+            QType::Q8_0x16 | QType::Q4_Kx16 | QType::Q6_Kx16 => {
+                panic!("packed strips go through `q8x16` / `q4kx16` / `q6kx16` (matmul_quant)")
+            }
         }
     };
     let res = f(&Prepared { acts, qtype, x: &buf, per_row });
@@ -238,7 +240,9 @@ pub(super) fn matmul_walk(p: &Prepared, w: QMatRef, out: &mut [&mut [f32]], walk
             QType::Q6_K => run::<Q6K>(p, w, out, walk),
             QType::IQ4_NL => run::<IQ4NL>(p, w, out, walk),
             QType::IQ4_XS => run::<IQ4XS>(p, w, out, walk),
-            QType::Q8_0x16 | QType::Q4_Kx16 => panic!("packed strips go through `q8x16` / `q4kx16` (matmul_quant)"),
+            QType::Q8_0x16 | QType::Q4_Kx16 | QType::Q6_Kx16 => {
+                panic!("packed strips go through `q8x16` / `q4kx16` / `q6kx16` (matmul_quant)")
+            }
         }
     }
 }

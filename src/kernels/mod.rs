@@ -31,6 +31,7 @@ mod avx512_quant;
 mod avx512bf16;
 mod pool;
 pub mod q4kx16;
+pub mod q6kx16;
 pub mod q8x16;
 #[cfg(test)]
 mod quant_tests;
@@ -493,14 +494,19 @@ pub(crate) fn matmul_quant(isa: Isa, x: &[f32], m: usize, w: QMatRef, out: &mut 
         ACTS.set(acts);
         return;
     }
-    if w.qtype == QType::Q4_Kx16 {
+    if matches!(w.qtype, QType::Q4_Kx16 | QType::Q6_Kx16) {
         thread_local! {
-            static SUMS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+            static WORDS: std::cell::Cell<Vec<i32>> = const { std::cell::Cell::new(Vec::new()) };
         }
-        let mut sums = SUMS.take();
-        q4kx16::sub_sums(&acts, &mut sums);
-        chunks(&|wc, outs| q4kx16::matmul(isa, &acts, &sums, wc, outs));
-        SUMS.set(sums);
+        let mut words = WORDS.take();
+        if w.qtype == QType::Q4_Kx16 {
+            q4kx16::sub_sums(&acts, &mut words);
+            chunks(&|wc, outs| q4kx16::matmul(isa, &acts, &words, wc, outs));
+        } else {
+            q6kx16::offsets(&acts, &mut words);
+            chunks(&|wc, outs| q6kx16::matmul(isa, &acts, &words, wc, outs));
+        }
+        WORDS.set(words);
         ACTS.set(acts);
         return;
     }

@@ -2,7 +2,8 @@
 //! load on CPUs with AVX-512 VNNI, as Q8_0 is (`q8x16`). One `vpdpbusd` multiplies 4 levels of 16
 //! weight rows by 4 levels of an activation row broadcast to every lane, so each lane ends a sub-block
 //! holding one weight row's exact sub-block sum, and the per-super-block float work is done once for
-//! 16 weight rows instead of once per row (docs/quantization.md, "Q4_K in 16-row strips").
+//! 16 weight rows instead of once per row (docs/quantization.md, "Q4_K and Q6_K in 16-row
+//! strips").
 //!
 //! Layout: rows `16s..16s + 16` form strip `s`, `BLOCK_BYTES` per super-block of 256 columns, the
 //! super-blocks in column order. A strip super-block is
@@ -151,25 +152,25 @@ pub fn dequantize_row(w: &QMatRef, r: usize, out: &mut [f32]) {
 /// Per activation row and super-block, the sums of its 8 sub-blocks of 32 (from the Q8_K sums of 16)
 /// as i16 pairs, sub-blocks `2t` and `2t + 1` in word `t` (`[rows, super-blocks, 4]`): what the
 /// minimums multiply.
-pub fn sub_sums(acts: &QActs, out: &mut Vec<u32>) {
+pub fn sub_sums(acts: &QActs, out: &mut Vec<i32>) {
     out.clear();
     out.extend(acts.bsums.chunks_exact(4).map(|b| {
         let lo = (b[0] as i32 + b[1] as i32) as i16 as u16 as u32;
         let hi = (b[2] as i32 + b[3] as i32) as i16 as u16 as u32;
-        lo | (hi << 16)
+        (lo | (hi << 16)) as i32
     }));
 }
 
 /// The sum of sub-block `j`'s 32 activations from `sub_sums`' words.
 #[inline]
-fn sub_sum(words: &[u32], j: usize) -> i32 {
-    let w = words[j / 2];
+fn sub_sum(words: &[i32], j: usize) -> i32 {
+    let w = words[j / 2] as u32;
     (if j.is_multiple_of(2) { w as u16 } else { (w >> 16) as u16 }) as i16 as i32
 }
 
 /// The product of activation rows and a packed chunk on the portable path: each output gets exactly
 /// the operations the SIMD kernel gives it (see the module's "Bits").
-pub fn matmul_scalar(acts: &QActs, sums: &[u32], w: QMatRef, out: &mut [&mut [f32]]) {
+pub fn matmul_scalar(acts: &QActs, sums: &[i32], w: QMatRef, out: &mut [&mut [f32]]) {
     let nb = w.cols / QK_K;
     for (s, strip) in w.data.chunks_exact(STRIP * nb * ROW_BYTES).enumerate() {
         for (i, o) in out.iter_mut().enumerate() {
@@ -204,7 +205,7 @@ pub fn matmul_scalar(acts: &QActs, sums: &[u32], w: QMatRef, out: &mut [&mut [f3
 
 /// The product of activation rows and a packed chunk (`out[i]`: the chunk's rows), on the best kernel
 /// `isa` allows.
-pub fn matmul(isa: super::Isa, acts: &QActs, sums: &[u32], w: QMatRef, out: &mut [&mut [f32]]) {
+pub fn matmul(isa: super::Isa, acts: &QActs, sums: &[i32], w: QMatRef, out: &mut [&mut [f32]]) {
     assert_eq!(w.qtype, QType::Q4_Kx16);
     assert!(acts.kind == w.qtype.act() && acts.cols == w.cols, "activations quantized for another format or width");
     assert_eq!(out.len(), acts.rows, "one output row per activation row");
@@ -213,7 +214,7 @@ pub fn matmul(isa: super::Isa, acts: &QActs, sums: &[u32], w: QMatRef, out: &mut
     #[cfg(target_arch = "x86_64")]
     {
         if super::q8x16::vnni(isa) {
-            return simd::matmul_vnni(acts, sums, w, out);
+            return simd::run::<simd::Q4K>(acts, sums, w, out);
         }
     }
     let _ = isa;
@@ -225,26 +226,55 @@ pub(super) mod simd {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// Super-blocks ahead of the one in hand that a tile prefetches (2,368 bytes per strip).
-    /// Super-blocks ahead of the one in hand that a tile prefetches where the CPU wants it
-    /// (`q8x16::simd::prefetch_blocks`: not on Zen 4, where it made one row 1.4-1.7x slower): 2,368
-    /// bytes per strip, the distance the Q8_0 strips' prefetch was measured best at on the Xeon.
+    /// Super-blocks ahead of the one in hand that a tile prefetches into L2. On Zen 4 only tiles of
+    /// five rows or more do (one strip each, much work per byte, which the hardware prefetcher alone
+    /// let stall on memory; fewer rows lost to it): `matmul_bench --quant q4_kx16` / `q6_kx16`, two
+    /// threads from memory, [6144, 1536], µs without → with: Q4_K five rows 272-283 → 257-282, eight
+    /// 382-396 → 311-338; Q6_K five 366-379 → 335-340, eight 482-490 → 398-406; but two rows 208-219
+    /// → 217-236 and Q6_K three 264-279 → 309-325. Elsewhere every tile does, as the Q8_0 strips
+    /// were measured to want on the Xeon (not measured there for these).
     const PREFETCH: usize = 1;
 
-    /// The most activation rows a tile takes (registers: an i32 sub-block sum, an i32 super-block
-    /// sum and an f32 accumulator per strip and row).
+    /// The most activation rows a tile takes (registers: an i32 sub-block sum and an i32 super-block
+    /// sum per strip and row, the f32 accumulators beside them).
     const GROUP_MAX: usize = 8;
+
+    /// A k-quant strip layout's kernel: `R` strips (the first at `ws`, `sb` bytes apart; strip index
+    /// `s0` in the chunk) times activation rows `i0..i0 + C`, with the activations' per-super-block
+    /// words `words` (the layout's own: `sub_sums`, `q6kx16::offsets`), prefetching `pf` super-blocks
+    /// ahead (0: none).
+    pub(in super::super) trait Tiles {
+        /// Bytes per row and super-block.
+        const ROW_BYTES: usize;
+        /// # Safety
+        /// AVX-512 VNNI CPU; the strips and rows exist.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn tile<const R: usize, const C: usize>(
+            acts: &QActs,
+            words: &[i32],
+            ws: *const u8,
+            sb: usize,
+            nb: usize,
+            pf: usize,
+            i0: usize,
+            s0: usize,
+            out: &mut [&mut [f32]],
+        );
+    }
+
+    /// Q4_K strips.
+    pub(in super::super) struct Q4K;
 
     /// The product on AVX-512 VNNI: strips outside, groups of up to `GROUP_MAX` activation rows inside
     /// (a strip's super-blocks read from memory once, from L1/L2 by the later groups).
-    pub(super) fn matmul_vnni(acts: &QActs, sums: &[u32], w: QMatRef, out: &mut [&mut [f32]]) {
+    pub(in super::super) fn run<F: Tiles>(acts: &QActs, words: &[i32], w: QMatRef, out: &mut [&mut [f32]]) {
         assert!(super::super::avx512_quant::supported(), "VNNI kernel on a CPU without it");
         let m = acts.rows;
         let nb = w.cols / QK_K;
         let strips = w.rows / STRIP;
         let groups = m.div_ceil(GROUP_MAX);
-        let sb = STRIP * nb * ROW_BYTES;
-        let pf = super::super::q8x16::simd::prefetch_blocks(PREFETCH);
+        let sb = STRIP * nb * F::ROW_BYTES;
+        let zen4 = super::super::x86::zen4();
         let mut s = 0;
         while s < strips {
             // Strips per tile: four for one row (four chains hide vpdpbusd's latency), two for up to
@@ -258,25 +288,26 @@ pub(super) mod simd {
             for g in 0..groups {
                 let (i0, c) = (g * m / groups, (g + 1) * m / groups - g * m / groups);
                 let ws = w.data[s * sb..].as_ptr();
+                let pf = if c >= 5 || !zen4 { PREFETCH } else { 0 };
                 // SAFETY: VNNI checked above; `r` strips from `s` and rows `i0..i0 + c` exist.
                 unsafe {
                     match (r, c) {
-                        (4, 1) => tile::<4, 1>(acts, sums, ws, sb, nb, pf, i0, s, out),
-                        (2, 2) => tile::<2, 2>(acts, sums, ws, sb, nb, pf, i0, s, out),
-                        (2, 3) => tile::<2, 3>(acts, sums, ws, sb, nb, pf, i0, s, out),
-                        (2, 4) => tile::<2, 4>(acts, sums, ws, sb, nb, pf, i0, s, out),
+                        (4, 1) => F::tile::<4, 1>(acts, words, ws, sb, nb, pf, i0, s, out),
+                        (2, 2) => F::tile::<2, 2>(acts, words, ws, sb, nb, pf, i0, s, out),
+                        (2, 3) => F::tile::<2, 3>(acts, words, ws, sb, nb, pf, i0, s, out),
+                        (2, 4) => F::tile::<2, 4>(acts, words, ws, sb, nb, pf, i0, s, out),
                         (_, c) => {
                             for t in 0..r {
                                 let (p, st) = (ws.add(t * sb), s + t);
                                 match c {
-                                    1 => tile::<1, 1>(acts, sums, p, sb, nb, pf, i0, st, out),
-                                    2 => tile::<1, 2>(acts, sums, p, sb, nb, pf, i0, st, out),
-                                    3 => tile::<1, 3>(acts, sums, p, sb, nb, pf, i0, st, out),
-                                    4 => tile::<1, 4>(acts, sums, p, sb, nb, pf, i0, st, out),
-                                    5 => tile::<1, 5>(acts, sums, p, sb, nb, pf, i0, st, out),
-                                    6 => tile::<1, 6>(acts, sums, p, sb, nb, pf, i0, st, out),
-                                    7 => tile::<1, 7>(acts, sums, p, sb, nb, pf, i0, st, out),
-                                    _ => tile::<1, 8>(acts, sums, p, sb, nb, pf, i0, st, out),
+                                    1 => F::tile::<1, 1>(acts, words, p, sb, nb, pf, i0, st, out),
+                                    2 => F::tile::<1, 2>(acts, words, p, sb, nb, pf, i0, st, out),
+                                    3 => F::tile::<1, 3>(acts, words, p, sb, nb, pf, i0, st, out),
+                                    4 => F::tile::<1, 4>(acts, words, p, sb, nb, pf, i0, st, out),
+                                    5 => F::tile::<1, 5>(acts, words, p, sb, nb, pf, i0, st, out),
+                                    6 => F::tile::<1, 6>(acts, words, p, sb, nb, pf, i0, st, out),
+                                    7 => F::tile::<1, 7>(acts, words, p, sb, nb, pf, i0, st, out),
+                                    _ => F::tile::<1, 8>(acts, words, p, sb, nb, pf, i0, st, out),
                                 }
                             }
                         }
@@ -284,6 +315,25 @@ pub(super) mod simd {
                 }
             }
             s += r;
+        }
+    }
+
+    impl Tiles for Q4K {
+        const ROW_BYTES: usize = ROW_BYTES;
+
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        unsafe fn tile<const R: usize, const C: usize>(
+            acts: &QActs,
+            sums: &[i32],
+            ws: *const u8,
+            sb: usize,
+            nb: usize,
+            pf: usize,
+            i0: usize,
+            s0: usize,
+            out: &mut [&mut [f32]],
+        ) {
+            tile::<R, C>(acts, sums, ws, sb, nb, pf, i0, s0, out)
         }
     }
 
@@ -296,7 +346,7 @@ pub(super) mod simd {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn tile<const R: usize, const C: usize>(
         acts: &QActs,
-        sums: &[u32],
+        sums: &[i32],
         ws: *const u8,
         sb: usize,
         nb: usize,
@@ -308,7 +358,7 @@ pub(super) mod simd {
         let k = acts.cols;
         let x = acts.qs.as_ptr().add(i0 * k) as *const i32;
         let dx = acts.d.as_ptr().add(i0 * nb);
-        let words = sums.as_ptr().add(i0 * nb * 4) as *const i32;
+        let words = sums.as_ptr().add(i0 * nb * 4);
         let nib = _mm512_set1_epi8(0x0f);
         let mut acc = [[_mm512_setzero_ps(); C]; R];
         for b in 0..nb {
@@ -316,7 +366,7 @@ pub(super) mod simd {
                 for r in 0..R {
                     let p = ws.add(r * sb + (b + pf) * BLOCK_BYTES);
                     for j in 0..BLOCK_BYTES.div_ceil(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(p.add(j * 64).cast());
+                        _mm_prefetch::<_MM_HINT_T1>(p.add(j * 64).cast());
                     }
                 }
             }

@@ -169,7 +169,7 @@ pub(super) mod simd {
     const PREFETCH: usize = 4;
 
     /// The prefetch distance on this CPU, in blocks (0: none).
-    pub(in super::super) fn prefetch_blocks(blocks: usize) -> usize {
+    fn prefetch_blocks(blocks: usize) -> usize {
         if super::super::x86::zen4() {
             0
         } else {

@@ -46,6 +46,8 @@ pub enum QType {
     Q8_0x16,
     /// Q4_K repacked at load in strips of 16 rows for the SIMD kernels (`q4kx16`): not a file format.
     Q4_Kx16,
+    /// Q6_K repacked at load in strips of 16 rows for the SIMD kernels (`q6kx16`): not a file format.
+    Q6_Kx16,
 }
 
 /// The levels of IQ4_NL / IQ4_XS (ggml's `kvalues_iq4nl`), indexed by the stored nibble.
@@ -90,6 +92,7 @@ impl QType {
             QType::IQ4_XS => "IQ4_XS",
             QType::Q8_0x16 => "Q8_0 (16-row strips)",
             QType::Q4_Kx16 => "Q4_K (16-row strips)",
+            QType::Q6_Kx16 => "Q6_K (16-row strips)",
         }
     }
 
@@ -106,7 +109,7 @@ impl QType {
             QType::IQ4_NL => 20,
             QType::IQ4_XS => 23,
             // Not a GGUF type: a packed matrix is never written (export refuses it) nor read.
-            QType::Q8_0x16 | QType::Q4_Kx16 => u32::MAX,
+            QType::Q8_0x16 | QType::Q4_Kx16 | QType::Q6_Kx16 => u32::MAX,
         }
     }
 
@@ -118,7 +121,7 @@ impl QType {
     pub fn block_elems(self) -> usize {
         match self {
             QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::Q5_1 | QType::IQ4_NL => 32,
-            QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K | QType::Q6_K | QType::IQ4_XS => QK_K,
+            QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K | QType::Q6_K | QType::Q6_Kx16 | QType::IQ4_XS => QK_K,
         }
     }
 
@@ -134,7 +137,7 @@ impl QType {
             // Q4_Kx16: the scales unpacked to bytes (`q4kx16`).
             QType::Q4_Kx16 => super::q4kx16::ROW_BYTES,
             QType::Q5_K => 176,
-            QType::Q6_K => 210,
+            QType::Q6_K | QType::Q6_Kx16 => 210,
             QType::IQ4_NL => 18,
             QType::IQ4_XS => 136,
         }
@@ -149,7 +152,7 @@ impl QType {
         match self {
             QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => ActKind::Q8_0,
             QType::Q5_1 => ActKind::Q8_1,
-            QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K | QType::Q6_K | QType::IQ4_XS => ActKind::Q8_K,
+            QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K | QType::Q6_K | QType::Q6_Kx16 | QType::IQ4_XS => ActKind::Q8_K,
         }
     }
 
@@ -159,6 +162,7 @@ impl QType {
         match self {
             QType::Q8_0x16 => Some(QType::Q8_0),
             QType::Q4_Kx16 => Some(QType::Q4_K),
+            QType::Q6_Kx16 => Some(QType::Q6_K),
             _ => None,
         }
     }
@@ -214,6 +218,7 @@ impl<'a> QMatRef<'a> {
         match self.qtype {
             QType::Q8_0x16 => super::q8x16::dequantize_row(self, r, out),
             QType::Q4_Kx16 => super::q4kx16::dequantize_row(self, r, out),
+            QType::Q6_Kx16 => super::q6kx16::dequantize_row(self, r, out),
             _ => dequantize_row(self.qtype, self.row(r), out),
         }
     }
@@ -224,6 +229,7 @@ impl<'a> QMatRef<'a> {
         match self.qtype {
             QType::Q8_0x16 => super::q8x16::unpack_row(self, r, out),
             QType::Q4_Kx16 => super::q4kx16::unpack_row(self, r, out),
+            QType::Q6_Kx16 => super::q6kx16::unpack_row(self, r, out),
             _ => out.copy_from_slice(self.row(r)),
         }
     }
@@ -268,8 +274,8 @@ pub fn quantize_row(q: QType, x: &[f32], out: &mut [u8]) {
             QType::Q5_K => quantize_qk_min(xb, ob, 31),
             QType::Q6_K => quantize_q6_k(xb, ob),
             QType::IQ4_NL | QType::IQ4_XS => quantize_iq4(xb, ob),
-            QType::Q8_0x16 | QType::Q4_Kx16 => {
-                panic!("a packed layout is packed from its file format's rows (q8x16, q4kx16), not quantized by row")
+            QType::Q8_0x16 | QType::Q4_Kx16 | QType::Q6_Kx16 => {
+                panic!("a packed layout is packed from its file format's rows (q8x16, q4kx16, q6kx16), not quantized by row")
             }
         }
     }
@@ -737,7 +743,9 @@ impl Unpacked {
 /// Unpack one block of format `qt` (`b` is its bytes).
 pub(crate) fn unpack(qt: QType, b: &[u8], u: &mut Unpacked) {
     match qt {
-        QType::Q8_0x16 | QType::Q4_Kx16 => panic!("packed blocks interleave 16 rows (q8x16, q4kx16)"),
+        QType::Q8_0x16 | QType::Q4_Kx16 | QType::Q6_Kx16 => {
+            panic!("packed blocks interleave 16 rows (q8x16, q4kx16, q6kx16)")
+        }
         QType::Q8_0 => {
             u.d = f16_at(b, 0);
             for (d, &s) in u.q[..32].iter_mut().zip(&b[2..34]) {
@@ -837,7 +845,7 @@ pub fn dequantize_row(qt: QType, data: &[u8], out: &mut [f32]) {
                 QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K => {
                     (u.d * u.sc[i / 32] as f32) * q - u.m * u.mn[i / 32] as f32
                 }
-                QType::Q6_K => (u.d * u.sc[i / 16] as f32) * q,
+                QType::Q6_K | QType::Q6_Kx16 => (u.d * u.sc[i / 16] as f32) * q,
                 QType::IQ4_XS => (u.d * u.sc[i / 32] as f32) * q,
             };
         }
@@ -986,7 +994,7 @@ fn block_term(qt: QType, u: &Unpacked, a: &QActs, r: usize, bi: usize) -> f32 {
             }
             (u.d * xd) * qsum as f32 - (u.m * xd) * msum as f32
         }
-        QType::Q6_K => {
+        QType::Q6_K | QType::Q6_Kx16 => {
             let qsum: i32 = (0..16).map(|g| u.sc[g] as i32 * isum(16 * g, 16)).sum();
             (u.d * xd) * qsum as f32
         }

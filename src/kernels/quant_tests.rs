@@ -25,7 +25,7 @@ fn random_blocks(rng: &mut Rng, qt: QType, rows: usize, cols: usize) -> Vec<u8> 
     let f16_at: &[usize] = match qt {
         QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL | QType::IQ4_XS => &[0],
         QType::Q5_1 | QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K => &[0, 2],
-        QType::Q6_K => &[208],
+        QType::Q6_K | QType::Q6_Kx16 => &[208],
     };
     for b in data.chunks_exact_mut(qt.block_bytes()) {
         for &at in f16_at {
@@ -59,7 +59,7 @@ fn abs_bound(qt: QType, w: &[u8], a: &QActs, r: usize) -> f64 {
                 QType::Q8_0 | QType::Q8_0x16 | QType::Q4_0 | QType::Q5_0 | QType::IQ4_NL => (d * q, 0.0),
                 QType::Q5_1 => (d * q, m),
                 QType::Q4_K | QType::Q4_Kx16 | QType::Q5_K => (d * u.sc[i / 32] as f64 * q, m * u.mn[i / 32] as f64),
-                QType::Q6_K => (d * u.sc[i / 16] as f64 * q, 0.0),
+                QType::Q6_K | QType::Q6_Kx16 => (d * u.sc[i / 16] as f64 * q, 0.0),
                 QType::IQ4_XS => (d * u.sc[i / 32] as f64 * q, 0.0),
             };
             total += (s.abs() + mn.abs()) * x;
@@ -275,7 +275,7 @@ fn dequantized_error_bounds() {
                 // Sub-block scales on 6 bits: loose, but catches layout errors.
                 QType::Q4_K | QType::Q4_Kx16 => 2.5 * amax / 15.0,
                 QType::Q5_K => 2.5 * amax / 31.0,
-                QType::Q6_K => 2.5 * amax / 31.0,
+                QType::Q6_K | QType::Q6_Kx16 => 2.5 * amax / 31.0,
                 // Non-uniform levels (steps up to 24 of 240 around the largest); IQ4_XS's scales on 6 bits.
                 QType::IQ4_NL => 0.12 * amax + amax * 2e-3,
                 QType::IQ4_XS => 2.5 * amax / 15.0,
@@ -537,8 +537,12 @@ fn matmul_each_gives_every_product_the_bits_of_matmul() {
 type Packer = fn(&[u8], usize, usize) -> Vec<u8>;
 
 /// The layouts packed at load, each with its file format and packer.
-fn packed_layouts() -> [(QType, QType, Packer); 2] {
-    [(QType::Q8_0x16, QType::Q8_0, super::q8x16::pack), (QType::Q4_Kx16, QType::Q4_K, super::q4kx16::pack)]
+fn packed_layouts() -> [(QType, QType, Packer); 3] {
+    [
+        (QType::Q8_0x16, QType::Q8_0, super::q8x16::pack),
+        (QType::Q4_Kx16, QType::Q4_K, super::q4kx16::pack),
+        (QType::Q6_Kx16, QType::Q6_K, super::q6kx16::pack),
+    ]
 }
 
 /// Packing in strips: every row comes back as its file format's bytes and dequantizes to the same
@@ -564,6 +568,7 @@ fn strips_pack_round_trip() {
     }
     assert!(!super::q8x16::packable(40, 96) && !super::q8x16::packable(48, 100) && super::q8x16::packable(16, 32));
     assert!(!super::q4kx16::packable(40, 256) && !super::q4kx16::packable(48, 384) && super::q4kx16::packable(16, 256));
+    assert!(!super::q6kx16::packable(40, 256) && !super::q6kx16::packable(48, 384) && super::q6kx16::packable(16, 256));
 }
 
 /// The kernels of each packed layout (portable, VNNI) give every output the same bits, whatever the
