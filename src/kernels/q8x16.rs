@@ -160,20 +160,23 @@ pub(super) mod simd {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// Blocks ahead of the one in hand that a tile prefetches (2 KB per strip), but on Zen 4. Measured
-    /// with `matmul_bench --quant q8_0x16` from memory on the Xeon: five rows over [6144, 1536] 437 µs
-    /// without, 377 at 4 blocks, 388 at 6; one row unchanged. On Zen 4 the hardware prefetcher keeps
-    /// a strip's single stream fed and the software prefetch only costs: one row 298-310 µs without
-    /// against 329-347 with, five rows 313-343 against 387-440 (docs/quantization.md, "Q8_0 in 16-row
-    /// strips").
+    /// Blocks ahead of the one in hand that a tile prefetches (2 KB per strip). Measured with
+    /// `matmul_bench --quant q8_0x16` from memory on the Xeon, into L1: five rows over [6144, 1536]
+    /// 437 µs without, 377 at 4 blocks, 388 at 6; one row unchanged. On Zen 4 the hardware prefetcher
+    /// keeps a strip's single stream fed and prefetching into L1 only cost: one row 298-310 µs without
+    /// against 329-347 with, five rows 313-343 against 387-440; into L2 at five rows and more it pays a
+    /// little (five rows 473-487 against 500-509 in a slower phase; the shipped pair's 6-row Q8_0
+    /// verify, three alternations, 0.74-1.00 ms against 0.76-1.07), so Zen 4 prefetches that way
+    /// only (docs/quantization.md, "Q8_0 in 16-row strips").
     const PREFETCH: usize = 4;
 
-    /// The prefetch distance on this CPU, in blocks (0: none).
-    fn prefetch_blocks(blocks: usize) -> usize {
-        if super::super::x86::zen4() {
-            0
-        } else {
-            blocks
+    /// The prefetch for a tile of `c` activation rows on this CPU: blocks ahead (0: none), and
+    /// whether into L2 rather than L1.
+    fn prefetch(c: usize) -> (usize, bool) {
+        match (super::super::x86::zen4(), c >= 5) {
+            (false, _) => (PREFETCH, false),
+            (true, true) => (PREFETCH, true),
+            (true, false) => (0, false),
         }
     }
 
@@ -189,7 +192,6 @@ pub(super) mod simd {
         let strips = w.rows / STRIP;
         let groups = m.div_ceil(GROUP_MAX);
         let sb = STRIP * nb * 34;
-        let pf = prefetch_blocks(PREFETCH);
         let mut s = 0;
         while s < strips {
             // Strips per tile: four for one row (eight i32 chains hide vpdpbusd's latency), two for
@@ -203,28 +205,29 @@ pub(super) mod simd {
             for g in 0..groups {
                 let (i0, c) = (g * m / groups, (g + 1) * m / groups - g * m / groups);
                 let ws = w.data[s * sb..].as_ptr();
+                let (pf, l2) = prefetch(c);
                 // SAFETY: VNNI checked above; `r` strips from `s` and rows `i0..i0 + c` exist.
                 unsafe {
                     match (r, c) {
-                        (4, 1) => tile::<4, 1, true>(acts, offs, ws, sb, nb, pf, i0, s, out),
-                        (2, 2) => tile::<2, 2, true>(acts, offs, ws, sb, nb, pf, i0, s, out),
-                        (2, 3) => tile::<2, 3, true>(acts, offs, ws, sb, nb, pf, i0, s, out),
-                        (2, 4) => tile::<2, 4, true>(acts, offs, ws, sb, nb, pf, i0, s, out),
-                        (2, 5) => tile::<2, 5, false>(acts, offs, ws, sb, nb, pf, i0, s, out),
-                        (2, 6) => tile::<2, 6, false>(acts, offs, ws, sb, nb, pf, i0, s, out),
-                        (2, 7) => tile::<2, 7, false>(acts, offs, ws, sb, nb, pf, i0, s, out),
+                        (4, 1) => tile::<4, 1, true>(acts, offs, ws, sb, nb, (pf, l2), i0, s, out),
+                        (2, 2) => tile::<2, 2, true>(acts, offs, ws, sb, nb, (pf, l2), i0, s, out),
+                        (2, 3) => tile::<2, 3, true>(acts, offs, ws, sb, nb, (pf, l2), i0, s, out),
+                        (2, 4) => tile::<2, 4, true>(acts, offs, ws, sb, nb, (pf, l2), i0, s, out),
+                        (2, 5) => tile::<2, 5, false>(acts, offs, ws, sb, nb, (pf, l2), i0, s, out),
+                        (2, 6) => tile::<2, 6, false>(acts, offs, ws, sb, nb, (pf, l2), i0, s, out),
+                        (2, 7) => tile::<2, 7, false>(acts, offs, ws, sb, nb, (pf, l2), i0, s, out),
                         (_, c) => {
                             for t in 0..r {
                                 let (p, st) = (ws.add(t * sb), s + t);
                                 match c {
-                                    1 => tile::<1, 1, true>(acts, offs, p, sb, nb, pf, i0, st, out),
-                                    2 => tile::<1, 2, true>(acts, offs, p, sb, nb, pf, i0, st, out),
-                                    3 => tile::<1, 3, true>(acts, offs, p, sb, nb, pf, i0, st, out),
-                                    4 => tile::<1, 4, true>(acts, offs, p, sb, nb, pf, i0, st, out),
-                                    5 => tile::<1, 5, false>(acts, offs, p, sb, nb, pf, i0, st, out),
-                                    6 => tile::<1, 6, false>(acts, offs, p, sb, nb, pf, i0, st, out),
-                                    7 => tile::<1, 7, false>(acts, offs, p, sb, nb, pf, i0, st, out),
-                                    _ => tile::<1, 8, false>(acts, offs, p, sb, nb, pf, i0, st, out),
+                                    1 => tile::<1, 1, true>(acts, offs, p, sb, nb, (pf, l2), i0, st, out),
+                                    2 => tile::<1, 2, true>(acts, offs, p, sb, nb, (pf, l2), i0, st, out),
+                                    3 => tile::<1, 3, true>(acts, offs, p, sb, nb, (pf, l2), i0, st, out),
+                                    4 => tile::<1, 4, true>(acts, offs, p, sb, nb, (pf, l2), i0, st, out),
+                                    5 => tile::<1, 5, false>(acts, offs, p, sb, nb, (pf, l2), i0, st, out),
+                                    6 => tile::<1, 6, false>(acts, offs, p, sb, nb, (pf, l2), i0, st, out),
+                                    7 => tile::<1, 7, false>(acts, offs, p, sb, nb, (pf, l2), i0, st, out),
+                                    _ => tile::<1, 8, false>(acts, offs, p, sb, nb, (pf, l2), i0, st, out),
                                 }
                             }
                         }
@@ -236,7 +239,7 @@ pub(super) mod simd {
     }
 
     /// `R` strips (the first at `ws`, `sb` bytes apart; strip index `s0` in the chunk) times activation
-    /// rows `i0..i0 + C`, prefetching `pf` blocks ahead (0: not at all).
+    /// rows `i0..i0 + C`, prefetching `pf` blocks ahead (0: not at all), into L2 if `l2`.
     ///
     /// # Safety
     /// AVX-512 VNNI CPU; the strips and rows exist.
@@ -248,7 +251,7 @@ pub(super) mod simd {
         ws: *const u8,
         sb: usize,
         nb: usize,
-        pf: usize,
+        (pf, l2): (usize, bool),
         i0: usize,
         s0: usize,
         out: &mut [&mut [f32]],
@@ -267,13 +270,17 @@ pub(super) mod simd {
                     lr[c] = o;
                 }
             }
-            // The block `pf` ahead of each strip into L1: a strip is one stream, which the Xeon's
-            // hardware prefetchers alone kept too few lines ahead of a multi-row tile.
+            // The block `pf` ahead of each strip: a strip is one stream, which the Xeon's hardware
+            // prefetchers alone kept too few lines ahead of a multi-row tile (`PREFETCH`).
             if pf > 0 && b + pf < nb {
                 for r in 0..R {
                     let p = ws.add(r * sb + (b + pf) * BLOCK_BYTES);
                     for j in 0..9 {
-                        _mm_prefetch::<_MM_HINT_T0>(p.add(j * 64).cast());
+                        if l2 {
+                            _mm_prefetch::<_MM_HINT_T1>(p.add(j * 64).cast());
+                        } else {
+                            _mm_prefetch::<_MM_HINT_T0>(p.add(j * 64).cast());
+                        }
                     }
                 }
             }
