@@ -94,8 +94,9 @@ pub fn pack(plain: &[u8], rows: usize, cols: usize) -> Vec<u8> {
     out
 }
 
-/// Row `r`'s super-blocks in a packed matrix, in column order, each as plain Q4_K bytes.
-fn row_blocks<'a>(w: &QMatRef<'a>, r: usize) -> impl Iterator<Item = [u8; PLAIN]> + 'a {
+/// Row `r`'s super-blocks in a packed matrix, in column order, each as plain Q4_K bytes (what
+/// `QMatRef::unpack_row` and `row_f32` read).
+pub(super) fn row_blocks<'a>(w: &QMatRef<'a>, r: usize) -> impl Iterator<Item = [u8; PLAIN]> + 'a {
     debug_assert_eq!(w.qtype, QType::Q4_Kx16);
     let sb = STRIP * (w.cols / QK_K) * ROW_BYTES;
     let i = r % STRIP;
@@ -131,22 +132,6 @@ fn row_blocks<'a>(w: &QMatRef<'a>, r: usize) -> impl Iterator<Item = [u8; PLAIN]
         }
         o
     })
-}
-
-/// Row `r` of a packed matrix as plain Q4_K bytes (`out`: one row's).
-pub fn unpack_row(w: &QMatRef, r: usize, out: &mut [u8]) {
-    assert_eq!(out.len(), w.cols / QK_K * PLAIN, "Q4_K row size");
-    for (b, dst) in row_blocks(w, r).zip(out.chunks_exact_mut(PLAIN)) {
-        dst.copy_from_slice(&b);
-    }
-}
-
-/// Row `r` of a packed matrix dequantized (what plain Q4_K dequantizes to).
-pub fn dequantize_row(w: &QMatRef, r: usize, out: &mut [f32]) {
-    assert_eq!(out.len(), w.cols, "dequantize_row shapes");
-    for (b, o) in row_blocks(w, r).zip(out.chunks_exact_mut(QK_K)) {
-        super::quant::dequantize_row(QType::Q4_K, &b, o);
-    }
 }
 
 /// Per activation row and super-block, the sums of its 8 sub-blocks of 32 (from the Q8_K sums of 16)
@@ -333,85 +318,64 @@ pub(super) mod simd {
             s0: usize,
             out: &mut [&mut [f32]],
         ) {
-            tile::<R, C>(acts, sums, ws, sb, nb, pf, i0, s0, out)
-        }
-    }
-
-    /// `R` strips (the first at `ws`, `sb` bytes apart; strip index `s0` in the chunk) times activation
-    /// rows `i0..i0 + C`, prefetching `pf` super-blocks ahead (0: not at all).
-    ///
-    /// # Safety
-    /// AVX-512 VNNI CPU; the strips and rows exist.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile<const R: usize, const C: usize>(
-        acts: &QActs,
-        sums: &[i32],
-        ws: *const u8,
-        sb: usize,
-        nb: usize,
-        pf: usize,
-        i0: usize,
-        s0: usize,
-        out: &mut [&mut [f32]],
-    ) {
-        let k = acts.cols;
-        let x = acts.qs.as_ptr().add(i0 * k) as *const i32;
-        let dx = acts.d.as_ptr().add(i0 * nb);
-        let words = sums.as_ptr().add(i0 * nb * 4);
-        let nib = _mm512_set1_epi8(0x0f);
-        let mut acc = [[_mm512_setzero_ps(); C]; R];
-        for b in 0..nb {
-            if pf > 0 && b + pf < nb {
-                for r in 0..R {
-                    let p = ws.add(r * sb + (b + pf) * BLOCK_BYTES);
-                    for j in 0..BLOCK_BYTES.div_ceil(64) {
-                        _mm_prefetch::<_MM_HINT_T1>(p.add(j * 64).cast());
+            let k = acts.cols;
+            let x = acts.qs.as_ptr().add(i0 * k) as *const i32;
+            let dx = acts.d.as_ptr().add(i0 * nb);
+            let words = sums.as_ptr().add(i0 * nb * 4);
+            let nib = _mm512_set1_epi8(0x0f);
+            let mut acc = [[_mm512_setzero_ps(); C]; R];
+            for b in 0..nb {
+                if pf > 0 && b + pf < nb {
+                    for r in 0..R {
+                        let p = ws.add(r * sb + (b + pf) * BLOCK_BYTES);
+                        for j in 0..BLOCK_BYTES.div_ceil(64) {
+                            _mm_prefetch::<_MM_HINT_T1>(p.add(j * 64).cast());
+                        }
                     }
                 }
-            }
-            let blk = |r: usize| ws.add(r * sb + b * BLOCK_BYTES);
-            let mut t = [[_mm512_setzero_si512(); C]; R];
-            for j in 0..8 {
-                let mut s = [[_mm512_setzero_si512(); C]; R];
-                for q in 0..4 {
-                    for (r, sr) in s.iter_mut().enumerate() {
-                        let line = _mm512_loadu_si512(blk(r).add(LEVELS + (4 * j + q) * 64).cast());
-                        let lo = _mm512_and_si512(line, nib);
-                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(line), nib);
-                        for (c, sc) in sr.iter_mut().enumerate() {
-                            let xi = x.add((c * k + b * QK_K + 32 * j + 8 * q) / 4);
-                            *sc = _mm512_dpbusd_epi32(*sc, lo, _mm512_set1_epi32(xi.read_unaligned()));
-                            *sc = _mm512_dpbusd_epi32(*sc, hi, _mm512_set1_epi32(xi.add(1).read_unaligned()));
+                let blk = |r: usize| ws.add(r * sb + b * BLOCK_BYTES);
+                let mut t = [[_mm512_setzero_si512(); C]; R];
+                for j in 0..8 {
+                    let mut s = [[_mm512_setzero_si512(); C]; R];
+                    for q in 0..4 {
+                        for (r, sr) in s.iter_mut().enumerate() {
+                            let line = _mm512_loadu_si512(blk(r).add(LEVELS + (4 * j + q) * 64).cast());
+                            let lo = _mm512_and_si512(line, nib);
+                            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(line), nib);
+                            for (c, sc) in sr.iter_mut().enumerate() {
+                                let xi = x.add((c * k + b * QK_K + 32 * j + 8 * q) / 4);
+                                *sc = _mm512_dpbusd_epi32(*sc, lo, _mm512_set1_epi32(xi.read_unaligned()));
+                                *sc = _mm512_dpbusd_epi32(*sc, hi, _mm512_set1_epi32(xi.add(1).read_unaligned()));
+                            }
+                        }
+                    }
+                    for r in 0..R {
+                        let scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk(r).add(SC + STRIP * j).cast()));
+                        for c in 0..C {
+                            t[r][c] = _mm512_add_epi32(t[r][c], _mm512_mullo_epi32(s[r][c], scale));
                         }
                     }
                 }
                 for r in 0..R {
-                    let scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk(r).add(SC + STRIP * j).cast()));
+                    let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk(r).cast()));
+                    let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk(r).add(DMIN).cast()));
                     for c in 0..C {
-                        t[r][c] = _mm512_add_epi32(t[r][c], _mm512_mullo_epi32(s[r][c], scale));
+                        let wd = words.add((c * nb + b) * 4);
+                        let mut mm = _mm512_setzero_si512();
+                        for p in 0..4 {
+                            let mins = _mm512_cvtepu8_epi16(_mm256_loadu_si256(blk(r).add(MN + 32 * p).cast()));
+                            mm = _mm512_dpwssd_epi32(mm, mins, _mm512_set1_epi32(wd.add(p).read()));
+                        }
+                        let dxv = _mm512_set1_ps(*dx.add(c * nb + b));
+                        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][c]), _mm512_mul_ps(d, dxv), acc[r][c]);
+                        acc[r][c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mm), _mm512_mul_ps(dmin, dxv), acc[r][c]);
                     }
                 }
             }
-            for r in 0..R {
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(blk(r).cast()));
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(blk(r).add(DMIN).cast()));
-                for c in 0..C {
-                    let wd = words.add((c * nb + b) * 4);
-                    let mut mm = _mm512_setzero_si512();
-                    for p in 0..4 {
-                        let mins = _mm512_cvtepu8_epi16(_mm256_loadu_si256(blk(r).add(MN + 32 * p).cast()));
-                        mm = _mm512_dpwssd_epi32(mm, mins, _mm512_set1_epi32(wd.add(p).read()));
-                    }
-                    let dxv = _mm512_set1_ps(*dx.add(c * nb + b));
-                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][c]), _mm512_mul_ps(d, dxv), acc[r][c]);
-                    acc[r][c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mm), _mm512_mul_ps(dmin, dxv), acc[r][c]);
+            for (r, ar) in acc.iter().enumerate() {
+                for (c, a) in ar.iter().enumerate() {
+                    _mm512_storeu_ps(out[i0 + c][(s0 + r) * STRIP..].as_mut_ptr(), *a);
                 }
-            }
-        }
-        for (r, ar) in acc.iter().enumerate() {
-            for (c, a) in ar.iter().enumerate() {
-                _mm512_storeu_ps(out[i0 + c][(s0 + r) * STRIP..].as_mut_ptr(), *a);
             }
         }
     }

@@ -87,8 +87,9 @@ pub fn pack(plain: &[u8], rows: usize, cols: usize) -> Vec<u8> {
     out
 }
 
-/// Row `r`'s super-blocks in a packed matrix, in column order, each as plain Q6_K bytes.
-fn row_blocks<'a>(w: &QMatRef<'a>, r: usize) -> impl Iterator<Item = [u8; ROW_BYTES]> + 'a {
+/// Row `r`'s super-blocks in a packed matrix, in column order, each as plain Q6_K bytes (what
+/// `QMatRef::unpack_row` and `row_f32` read).
+pub(super) fn row_blocks<'a>(w: &QMatRef<'a>, r: usize) -> impl Iterator<Item = [u8; ROW_BYTES]> + 'a {
     debug_assert_eq!(w.qtype, QType::Q6_Kx16);
     let sb = STRIP * (w.cols / QK_K) * ROW_BYTES;
     let i = r % STRIP;
@@ -110,22 +111,6 @@ fn row_blocks<'a>(w: &QMatRef<'a>, r: usize) -> impl Iterator<Item = [u8; ROW_BY
         o[208..210].copy_from_slice(&src[2 * i..2 * i + 2]);
         o
     })
-}
-
-/// Row `r` of a packed matrix as plain Q6_K bytes (`out`: one row's).
-pub fn unpack_row(w: &QMatRef, r: usize, out: &mut [u8]) {
-    assert_eq!(out.len(), w.cols / QK_K * ROW_BYTES, "Q6_K row size");
-    for (b, dst) in row_blocks(w, r).zip(out.chunks_exact_mut(ROW_BYTES)) {
-        dst.copy_from_slice(&b);
-    }
-}
-
-/// Row `r` of a packed matrix dequantized (what plain Q6_K dequantizes to).
-pub fn dequantize_row(w: &QMatRef, r: usize, out: &mut [f32]) {
-    assert_eq!(out.len(), w.cols, "dequantize_row shapes");
-    for (b, o) in row_blocks(w, r).zip(out.chunks_exact_mut(QK_K)) {
-        super::quant::dequantize_row(QType::Q6_K, &b, o);
-    }
 }
 
 /// Per activation row and super-block, `-32 ·` the sum of each sub-block of 16 (`[rows,

@@ -215,10 +215,15 @@ impl<'a> QMatRef<'a> {
     /// Row `r` dequantized.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols);
+        fn each<B: AsRef<[u8]>>(file: QType, blocks: impl Iterator<Item = B>, out: &mut [f32]) {
+            for (b, o) in blocks.zip(out.chunks_exact_mut(QK_K)) {
+                dequantize_row(file, b.as_ref(), o);
+            }
+        }
         match self.qtype {
             QType::Q8_0x16 => super::q8x16::dequantize_row(self, r, out),
-            QType::Q4_Kx16 => super::q4kx16::dequantize_row(self, r, out),
-            QType::Q6_Kx16 => super::q6kx16::dequantize_row(self, r, out),
+            QType::Q4_Kx16 => each(QType::Q4_K, super::q4kx16::row_blocks(self, r), out),
+            QType::Q6_Kx16 => each(QType::Q6_K, super::q6kx16::row_blocks(self, r), out),
             _ => dequantize_row(self.qtype, self.row(r), out),
         }
     }
@@ -226,10 +231,17 @@ impl<'a> QMatRef<'a> {
     /// Row `r` as its file format's bytes (`out`: a row of `qtype.unpacked()`, or of `qtype` when it
     /// is a file format).
     pub fn unpack_row(&self, r: usize, out: &mut [u8]) {
+        fn each<const N: usize>(blocks: impl Iterator<Item = [u8; N]>, out: &mut [u8]) {
+            for (b, o) in blocks.zip(out.chunks_exact_mut(N)) {
+                o.copy_from_slice(&b);
+            }
+        }
+        let file = self.qtype.unpacked().unwrap_or(self.qtype);
+        assert_eq!(Some(out.len()), file.row_bytes(self.cols), "one row of the file format");
         match self.qtype {
             QType::Q8_0x16 => super::q8x16::unpack_row(self, r, out),
-            QType::Q4_Kx16 => super::q4kx16::unpack_row(self, r, out),
-            QType::Q6_Kx16 => super::q6kx16::unpack_row(self, r, out),
+            QType::Q4_Kx16 => each(super::q4kx16::row_blocks(self, r), out),
+            QType::Q6_Kx16 => each(super::q6kx16::row_blocks(self, r), out),
             _ => out.copy_from_slice(self.row(r)),
         }
     }
