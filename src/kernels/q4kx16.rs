@@ -250,6 +250,50 @@ pub(super) mod simd {
     /// Q4_K strips.
     pub(in super::super) struct Q4K;
 
+    /// If `go`, block `at` (of `block` bytes) of each of a tile's `R` strips (`sb` bytes apart from `ws`)
+    /// asked for into L2.
+    ///
+    /// # Safety
+    /// AVX-512 CPU (a prefetch itself never faults).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(in super::super) unsafe fn prefetch_ahead<const R: usize>(
+        ws: *const u8,
+        sb: usize,
+        block: usize,
+        at: usize,
+        go: bool,
+    ) {
+        if go {
+            for r in 0..R {
+                let p = ws.wrapping_add(r * sb + at * block);
+                for j in 0..block.div_ceil(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(j * 64).cast());
+                }
+            }
+        }
+    }
+
+    /// A tile's accumulators (strip `r`, activation row `c`) into rows `i0 + c` of `out`, at strip
+    /// `s0 + r`'s 16 columns.
+    ///
+    /// # Safety
+    /// AVX-512 CPU; the rows and columns exist.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(in super::super) unsafe fn store<const R: usize, const C: usize>(
+        acc: &[[__m512; C]; R],
+        out: &mut [&mut [f32]],
+        i0: usize,
+        s0: usize,
+    ) {
+        for (r, ar) in acc.iter().enumerate() {
+            for (c, a) in ar.iter().enumerate() {
+                _mm512_storeu_ps(out[i0 + c][(s0 + r) * STRIP..].as_mut_ptr(), *a);
+            }
+        }
+    }
+
     /// The product on AVX-512 VNNI: strips outside, groups of up to `GROUP_MAX` activation rows inside
     /// (a strip's super-blocks read from memory once, from L1/L2 by the later groups).
     pub(in super::super) fn run<F: Tiles>(acts: &QActs, words: &[i32], w: QMatRef, out: &mut [&mut [f32]]) {
@@ -325,14 +369,7 @@ pub(super) mod simd {
             let nib = _mm512_set1_epi8(0x0f);
             let mut acc = [[_mm512_setzero_ps(); C]; R];
             for b in 0..nb {
-                if pf > 0 && b + pf < nb {
-                    for r in 0..R {
-                        let p = ws.add(r * sb + (b + pf) * BLOCK_BYTES);
-                        for j in 0..BLOCK_BYTES.div_ceil(64) {
-                            _mm_prefetch::<_MM_HINT_T1>(p.add(j * 64).cast());
-                        }
-                    }
-                }
+                prefetch_ahead::<R>(ws, sb, BLOCK_BYTES, b + pf, pf > 0 && b + pf < nb);
                 let blk = |r: usize| ws.add(r * sb + b * BLOCK_BYTES);
                 let mut t = [[_mm512_setzero_si512(); C]; R];
                 for j in 0..8 {
@@ -372,11 +409,7 @@ pub(super) mod simd {
                     }
                 }
             }
-            for (r, ar) in acc.iter().enumerate() {
-                for (c, a) in ar.iter().enumerate() {
-                    _mm512_storeu_ps(out[i0 + c][(s0 + r) * STRIP..].as_mut_ptr(), *a);
-                }
-            }
+            store(&acc, out, i0, s0);
         }
     }
 }

@@ -195,14 +195,7 @@ mod simd {
             let (m4, m30) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
             let mut acc = [[_mm512_setzero_ps(); C]; R];
             for b in 0..nb {
-                if pf > 0 && b + pf < nb {
-                    for r in 0..R {
-                        let p = ws.add(r * sb + (b + pf) * BLOCK_BYTES);
-                        for j in 0..BLOCK_BYTES.div_ceil(64) {
-                            _mm_prefetch::<_MM_HINT_T1>(p.add(j * 64).cast());
-                        }
-                    }
-                }
+                super::super::q4kx16::simd::prefetch_ahead::<R>(ws, sb, BLOCK_BYTES, b + pf, pf > 0 && b + pf < nb);
                 let blk = |r: usize| ws.add(r * sb + b * BLOCK_BYTES);
                 let mut t = [[_mm512_setzero_si512(); C]; R];
                 for g in 0..16 {
@@ -244,11 +237,7 @@ mod simd {
                     }
                 }
             }
-            for (r, ar) in acc.iter().enumerate() {
-                for (c, a) in ar.iter().enumerate() {
-                    _mm512_storeu_ps(out[i0 + c][(s0 + r) * STRIP..].as_mut_ptr(), *a);
-                }
-            }
+            super::super::q4kx16::simd::store(&acc, out, i0, s0);
         }
     }
 }
