@@ -156,7 +156,7 @@ impl QType {
         }
     }
 
-    /// For a layout packed in strips of 16 rows at load (`q8x16`, `q4kx16`), the file format it was
+    /// For a layout packed in strips of 16 rows at load (`q8x16`, `q4kx16`, `q6kx16`), the file format it was
     /// packed from; `None` for the file formats themselves.
     pub fn unpacked(self) -> Option<QType> {
         match self {
