@@ -6,7 +6,8 @@
 //!
 //! `--quant FMT` times block-quantized weights instead (random weights quantized with
 //! `quant::quantize_row`); GB/s then counts the quantized bytes. `q8_0x16` is Q8_0 packed in 16-row strips
-//! as loading packs it on CPUs with AVX-512 VNNI (`kernels::q8x16`).
+//! as loading packs it on CPUs with AVX-512 VNNI (`kernels::q8x16`); `q4_kx16` and `q6_kx16` the same for
+//! Q4_K and Q6_K (`kernels::q4kx16`, `kernels::q6kx16`).
 //!
 //! A matrix called again and again would sit in L3 (32 MiB here), which is not what decode sees:
 //! each layer's weights are evicted by the other layers' before they are used again. So every shape
