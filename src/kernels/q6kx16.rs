@@ -150,11 +150,7 @@ pub fn matmul_scalar(acts: &QActs, offs: &[i32], w: QMatRef, out: &mut [&mut [f3
 /// The product of activation rows and a packed chunk (`out[i]`: the chunk's rows), on the best kernel
 /// `isa` allows.
 pub fn matmul(isa: super::Isa, acts: &QActs, offs: &[i32], w: QMatRef, out: &mut [&mut [f32]]) {
-    assert_eq!(w.qtype, QType::Q6_Kx16);
-    assert!(acts.kind == w.qtype.act() && acts.cols == w.cols, "activations quantized for another format or width");
-    assert_eq!(out.len(), acts.rows, "one output row per activation row");
-    assert!(out.iter().all(|o| o.len() == w.rows), "output rows of the chunk's width");
-    assert_eq!(offs.len(), acts.rows * (w.cols / QK_K) * 16, "sixteen offsets per activation super-block");
+    super::quant::check_strips(QType::Q6_Kx16, acts, offs, 16, &w, out);
     #[cfg(target_arch = "x86_64")]
     {
         if super::q8x16::vnni(isa) {

@@ -174,6 +174,24 @@ impl std::fmt::Display for QType {
     }
 }
 
+/// The shapes a product over a packed layout checks first: `w` is `qtype`, the activations were
+/// quantized for it at its width, `out` has one row of the chunk's width per activation row, and
+/// `words` holds `per_block` of the layout's own activation words per activation block.
+pub(super) fn check_strips(
+    qtype: QType,
+    acts: &QActs,
+    words: &[i32],
+    per_block: usize,
+    w: &QMatRef,
+    out: &[&mut [f32]],
+) {
+    assert_eq!(w.qtype, qtype);
+    assert!(acts.kind == w.qtype.act() && acts.cols == w.cols, "activations quantized for another format or width");
+    assert_eq!(out.len(), acts.rows, "one output row per activation row");
+    assert!(out.iter().all(|o| o.len() == w.rows), "output rows of the chunk's width");
+    assert_eq!(words.len(), acts.rows * (w.cols / qtype.block_elems()) * per_block, "activation words per block");
+}
+
 /// A row-major `[rows, cols]` matrix of blocks (each row a whole number of blocks).
 #[derive(Clone, Copy, Debug)]
 pub struct QMatRef<'a> {
